@@ -1,0 +1,258 @@
+"""The YAML config: schema, defaults and validation.
+
+One config describes one cache format plus the target it is built for. Every
+field has a default except the three that define the format (`key_format`,
+`value_bits`, `head_dim`). A wrong config is refused with a `ConfigError` whose
+single line names the file, the field, what was given and what is allowed.
+
+Example (configs/k3v4-d128.yaml)::
+
+    key_format: mse
+    key_bits: 3
+    value_bits: 4
+    head_dim: 128
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from .errors import ConfigError
+
+KEY_FORMATS = ("mse", "fp8")
+MSE_KEY_BITS = (2, 3, 4)
+VALUE_BITS = (2, 3, 4, 8)
+ARCHES = ("sm80", "sm86", "sm89", "sm90", "sm100", "auto")
+ROTATIONS = ("hadamard", "random")
+OUTPUT_DTYPES = ("auto", "float16", "bfloat16", "float32")
+HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 64, 256, 8
+BLOCK_SIZES = tuple(2**i for i in range(0, 10))  # 1 .. 512 tokens per page
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A validated, fully resolved cache-format config.
+
+    `arch` may still be "auto" here; `resolve_arch` turns it into a concrete
+    target before rendering.
+    """
+
+    key_format: str
+    key_bits: int
+    value_bits: int
+    head_dim: int
+    block_size: int = 16
+    norm_correction: bool = False
+    rotation: str | None = None
+    rotation_seed: int = 0
+    arch: str = "auto"
+    output_dtype: str = "auto"
+    name: str = ""
+
+    @property
+    def is_power_of_two_dim(self) -> bool:
+        return self.head_dim & (self.head_dim - 1) == 0
+
+    def short_name(self) -> str:
+        """The preset vocabulary: k3v4, k8v4, ... (fp8 keys count as 8 bits)."""
+        return f"k{self.key_bits}v{self.value_bits}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def canonical_json(self) -> str:
+        """Sorted JSON of every resolved field except the cosmetic `name`."""
+        fields = self.to_dict()
+        fields.pop("name")
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+    def hash(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+    def artifact_name(self) -> str:
+        """A file name that spells out every specialization of the kernels."""
+        key = "kfp8" if self.key_format == "fp8" else f"kmse{self.key_bits}"
+        parts = [key, f"v{self.value_bits}", f"d{self.head_dim}", f"p{self.block_size}"]
+        if self.key_format == "mse":
+            parts.append("nc" if self.norm_correction else "nonc")
+            parts.append(self.rotation if self.rotation == "hadamard" else f"random{self.rotation_seed}")
+        if self.output_dtype != "auto":
+            parts.append({"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[self.output_dtype])
+        parts.append(self.arch)
+        return "tq_" + "_".join(parts)
+
+
+# field name -> (expected python type(s), description of allowed values)
+_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "name": ((str,), "a string"),
+    "key_format": ((str,), " or ".join(KEY_FORMATS)),
+    "key_bits": ((int,), "2, 3 or 4 for mse keys; 8 for fp8 keys"),
+    "value_bits": ((int,), ", ".join(map(str, VALUE_BITS[:-1])) + " or 8"),
+    "head_dim": ((int,), f"a multiple of {HEAD_DIM_STEP} from {HEAD_DIM_MIN} to {HEAD_DIM_MAX}"),
+    "block_size": ((int,), "a power of two from 1 to 512"),
+    "norm_correction": ((bool,), "true or false"),
+    "rotation": ((str,), "hadamard or random"),
+    "rotation_seed": ((int,), "an integer from 0 to 2**63-1"),
+    "arch": ((str,), ", ".join(ARCHES)),
+    "output_dtype": ((str,), ", ".join(OUTPUT_DTYPES)),
+}
+_REQUIRED = ("key_format", "value_bits", "head_dim")
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "a mapping"}.get(type(value), type(value).__name__)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value) if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def from_mapping(data: Any, source: str = "<config>") -> Config:
+    """Validate a parsed YAML document and apply the defaults."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(source, "<document>", f"got {_type_name(data)}, expected a mapping of config fields")
+    for field in data:
+        if not isinstance(field, str) or field not in _FIELDS:
+            allowed = ", ".join(_FIELDS)
+            raise ConfigError(source, str(field), f"unknown field; allowed fields are {allowed}")
+    for field, value in data.items():
+        types, allowed = _FIELDS[field]
+        # bool is an int in Python; a YAML `true` is never a valid bit width.
+        ok = isinstance(value, types) and not (bool not in types and isinstance(value, bool))
+        if not ok:
+            raise ConfigError(source, field, f"got {_shown(value)} ({_type_name(value)}), allowed {allowed}")
+    for field in _REQUIRED:
+        if field not in data:
+            raise ConfigError(source, field, f"missing; allowed {_FIELDS[field][1]}")
+
+    def refuse(field: str) -> None:
+        raise ConfigError(source, field, f"got {_shown(data[field])}, allowed {_FIELDS[field][1]}")
+
+    key_format = data["key_format"]
+    if key_format not in KEY_FORMATS:
+        refuse("key_format")
+    head_dim = data["head_dim"]
+    if not (HEAD_DIM_MIN <= head_dim <= HEAD_DIM_MAX and head_dim % HEAD_DIM_STEP == 0):
+        refuse("head_dim")
+    value_bits = data["value_bits"]
+    if value_bits not in VALUE_BITS:
+        refuse("value_bits")
+    block_size = data.get("block_size", 16)
+    if block_size not in BLOCK_SIZES:
+        refuse("block_size")
+    arch = data.get("arch", "auto")
+    if arch not in ARCHES:
+        refuse("arch")
+    output_dtype = data.get("output_dtype", "auto")
+    if output_dtype not in OUTPUT_DTYPES:
+        refuse("output_dtype")
+    seed = data.get("rotation_seed", 0)
+    if not 0 <= seed < 2**63:
+        refuse("rotation_seed")
+
+    power_of_two = head_dim & (head_dim - 1) == 0
+    if key_format == "fp8":
+        key_bits = data.get("key_bits", 8)
+        if key_bits != 8:
+            raise ConfigError(source, "key_bits", f"got {_shown(key_bits)}, fp8 keys are 8 bits (leave key_bits out or set 8)")
+        for field in ("norm_correction", "rotation", "rotation_seed"):
+            if field in data:
+                raise ConfigError(source, field, f"got {_shown(data[field])}, but fp8 keys are not rotated; "
+                                  "this field applies to mse keys only")
+        norm_correction, rotation = False, None
+    else:
+        key_bits = data.get("key_bits", 4)
+        if key_bits not in MSE_KEY_BITS:
+            raise ConfigError(source, "key_bits", f"got {_shown(key_bits)}, allowed 2, 3 or 4 for mse keys")
+        norm_correction = data.get("norm_correction", True)
+        rotation = data.get("rotation", "hadamard" if power_of_two else "random")
+        if rotation not in ROTATIONS:
+            refuse("rotation")
+        if rotation == "hadamard" and not power_of_two:
+            raise ConfigError(source, "rotation", f"got 'hadamard' with head_dim {head_dim}; a Hadamard matrix "
+                              "needs a power-of-two head_dim, use 'random' (any head_dim)")
+        if rotation == "hadamard" and "rotation_seed" in data:
+            raise ConfigError(source, "rotation_seed", "set with rotation 'hadamard', which has no seed; "
+                              "remove it or use rotation 'random'")
+
+    return Config(
+        key_format=key_format, key_bits=key_bits, value_bits=value_bits, head_dim=head_dim,
+        block_size=block_size, norm_correction=norm_correction, rotation=rotation,
+        rotation_seed=seed if rotation == "random" else 0, arch=arch, output_dtype=output_dtype,
+        name=data.get("name") or f"k{key_bits}v{value_bits}-d{head_dim}",
+    )
+
+
+def load(path: str | os.PathLike) -> Config:
+    """Read and validate one YAML config file."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(source, "<file>", "no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(source, "<file>", "is a directory, expected a YAML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(source, "<file>", f"cannot be read ({exc.__class__.__name__}: {exc})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(exc, "problem", None) or "invalid syntax"
+        raise ConfigError(source, "<yaml>", f"not valid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise ConfigError(source, "<yaml>", "not valid YAML: nested too deeply") from None
+    if data is None:
+        raise ConfigError(source, "<document>", "the file is empty; expected a mapping of config fields")
+    if isinstance(data, dict) and "name" not in data:
+        data = {**data, "name": Path(path).stem}
+    return from_mapping(data, source)
+
+
+def resolve_arch(config: Config, device_capability: tuple[int, int] | None = None) -> Config:
+    """Replace arch 'auto' by the current GPU's arch.
+
+    Without a GPU (CPU-only machines, the Triton interpreter) 'auto' resolves to
+    sm80: its portable fp8 decode is correct on every arch.
+    """
+    if config.arch != "auto":
+        return config
+    if device_capability is None:
+        device_capability = _current_capability()
+    if device_capability is None:
+        arch = "sm80"
+    else:
+        major, minor = device_capability
+        arch = f"sm{major}{minor}"
+        if arch not in ARCHES:
+            # Map unknown parts onto the nearest arch we render for, never upward.
+            known = sorted(int(a[2:]) for a in ARCHES if a != "auto")
+            value = major * 10 + minor
+            arch = f"sm{max([k for k in known if k <= value], default=80)}"
+    return dataclasses.replace(config, arch=arch)
+
+
+def _current_capability() -> tuple[int, int] | None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()

@@ -1,0 +1,108 @@
+"""Emit rendered modules as files, and import them.
+
+`build` writes `<out_dir>/<artifact_name>.py` atomically (temp file in the same
+folder, fsync, rename), and only when its bytes change, so a killed build
+leaves the old module or the new one, never a partial file. `load` builds into
+a cache folder when needed and imports the module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+from typing import Union
+
+from . import config as config_mod
+from .config import Config
+from .errors import TqgenError
+from .render import render
+
+ConfigLike = Union[Config, str, os.PathLike]
+
+
+def default_cache_dir() -> Path:
+    """$TQGEN_CACHE_DIR, else $XDG_CACHE_HOME/tqgen, else ~/.cache/tqgen."""
+    if os.environ.get("TQGEN_CACHE_DIR"):
+        return Path(os.environ["TQGEN_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tqgen"
+
+
+def as_config(config_or_path: ConfigLike) -> Config:
+    """A Config from a Config or a YAML path, with the arch resolved."""
+    config = config_or_path if isinstance(config_or_path, Config) else config_mod.load(config_or_path)
+    return config_mod.resolve_arch(config)
+
+
+def write_atomic(path: Path, data: bytes) -> bool:
+    """Replace `path` with `data` atomically; returns False (and writes nothing) if unchanged."""
+    try:
+        if path.read_bytes() == data:
+            return False
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return True
+
+
+def build(config_or_path: ConfigLike, out_dir: str | os.PathLike | None = None) -> Path:
+    """Render one config and write its module; returns the module's path."""
+    config = as_config(config_or_path)
+    out = Path(out_dir) if out_dir is not None else default_cache_dir()
+    path = out / f"{config.artifact_name()}.py"
+    source = render(config)
+    try:
+        write_atomic(path, source.encode("utf-8"))
+    except OSError as exc:
+        raise TqgenError(f"cannot write {path}: {exc.strerror or exc}") from None
+    return path
+
+
+def import_module_file(path: str | os.PathLike) -> ModuleType:
+    """Import a generated module file (cached by content, so a rebuilt file is re-imported)."""
+    path = Path(path).resolve()
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    name = f"tqgen_generated.{path.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise TqgenError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load(config_or_path: ConfigLike, cache_dir: str | os.PathLike | None = None) -> ModuleType:
+    """Import the module for a config (a Config, a YAML path, or an emitted .py file).
+
+    Configs are rendered and written to `cache_dir` (default: `default_cache_dir()`)
+    only when the file's bytes would change, then imported.
+    """
+    if not isinstance(config_or_path, Config) and str(config_or_path).endswith(".py"):
+        return import_module_file(config_or_path)
+    return import_module_file(build(config_or_path, cache_dir))

@@ -1,0 +1,127 @@
+"""The byte layout of one cache slot: the single source of truth.
+
+A slot holds one token's key and value for one KV head (format.md):
+
+    MSE keys:  [key codes | key norm fp16] [value codes | value scale fp16 | value zero fp16] [pad]
+    FP8 keys:  [key bytes (e4m3fn)       ] [value codes | value scale fp16 | value zero fp16] [pad]
+
+Codes are packed little-endian, least significant bit first: element i of a
+b-bit field occupies bits i*b .. i*b+b-1 of the field read as one bit stream.
+Every consumer (templates, reference, store, tests, `tqgen show`) reads its
+offsets from `Layout`; nothing else computes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .config import Config
+
+
+def packed_bytes(count: int, bits: int) -> int:
+    """Bytes needed for `count` codes of `bits` bits each."""
+    return (count * bits + 7) // 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    head_dim: int
+    key_format: str  # "mse" or "fp8"
+    key_bits: int  # bits per key element (8 for fp8)
+    value_bits: int
+
+    @classmethod
+    def from_config(cls, config: Config) -> "Layout":
+        return cls(config.head_dim, config.key_format, config.key_bits, config.value_bits)
+
+    # --- keys -------------------------------------------------------------
+    @property
+    def key_fp8(self) -> bool:
+        return self.key_format == "fp8"
+
+    @property
+    def key_code_offset(self) -> int:
+        """Offset of the key codes (MSE) or of the fp8 key bytes."""
+        return 0
+
+    @property
+    def key_code_bytes(self) -> int:
+        return packed_bytes(self.head_dim, self.key_bits)
+
+    @property
+    def key_norm_offset(self) -> int | None:
+        """Offset of the fp16 key norm; None for fp8 keys, which have none."""
+        return None if self.key_fp8 else self.key_code_bytes
+
+    @property
+    def key_packed_bytes(self) -> int:
+        """KPS in format.md: every key byte of the slot."""
+        return self.key_code_bytes + (0 if self.key_fp8 else 2)
+
+    # --- values -----------------------------------------------------------
+    @property
+    def value_code_offset(self) -> int:
+        return self.key_packed_bytes
+
+    @property
+    def value_code_bytes(self) -> int:
+        return packed_bytes(self.head_dim, self.value_bits)
+
+    @property
+    def value_scale_offset(self) -> int:
+        return self.value_code_offset + self.value_code_bytes
+
+    @property
+    def value_zero_offset(self) -> int:
+        return self.value_scale_offset + 2
+
+    # --- the slot ---------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return self.value_zero_offset + 2
+
+    @property
+    def slot_bytes(self) -> int:
+        """Rounded up to an even size; no other padding (slots are not 4- or 16-byte aligned)."""
+        return self.used_bytes + (self.used_bytes & 1)
+
+    @property
+    def fp16_bytes_per_token(self) -> int:
+        """What the same token and head costs in a plain fp16 K/V cache."""
+        return 2 * 2 * self.head_dim
+
+    def fields(self) -> list[tuple[str, int, int]]:
+        """(name, offset, size) of every field in slot order, padding included."""
+        rows = []
+        if self.key_fp8:
+            rows.append(("key values (fp8 e4m3fn)", self.key_code_offset, self.key_code_bytes))
+        else:
+            rows.append((f"key codes ({self.key_bits}-bit)", self.key_code_offset, self.key_code_bytes))
+            rows.append(("key norm (fp16)", self.key_norm_offset, 2))
+        rows.append((f"value codes ({self.value_bits}-bit)", self.value_code_offset, self.value_code_bytes))
+        rows.append(("value scale (fp16)", self.value_scale_offset, 2))
+        rows.append(("value zero (fp16)", self.value_zero_offset, 2))
+        if self.slot_bytes != self.used_bytes:
+            rows.append(("padding", self.used_bytes, self.slot_bytes - self.used_bytes))
+        return rows
+
+    def constants(self) -> dict[str, int]:
+        """The layout as the UPPER_CASE constants baked into emitted modules."""
+        out = {
+            "HEAD_DIM": self.head_dim,
+            "KEY_BITS": self.key_bits,
+            "VALUE_BITS": self.value_bits,
+            "KEY_CODE_OFFSET": self.key_code_offset,
+            "KEY_CODE_BYTES": self.key_code_bytes,
+        }
+        if not self.key_fp8:
+            out["KEY_NORM_OFFSET"] = self.key_norm_offset
+        out.update(
+            KEY_PACKED_BYTES=self.key_packed_bytes,
+            VALUE_CODE_OFFSET=self.value_code_offset,
+            VALUE_CODE_BYTES=self.value_code_bytes,
+            VALUE_SCALE_OFFSET=self.value_scale_offset,
+            VALUE_ZERO_OFFSET=self.value_zero_offset,
+            SLOT_BYTES=self.slot_bytes,
+        )
+        return out

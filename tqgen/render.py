@@ -1,0 +1,117 @@
+"""Render the Jinja templates into one specialized Python module's source.
+
+Only what the config needs is rendered: no branches for other formats, layout
+offsets and bit widths as literals, the fp8 decode chosen for the arch. Same
+inputs, byte-identical output: nothing machine- or time-dependent enters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import re
+from pathlib import Path
+
+import jinja2
+
+from . import __version__, codebook
+from .config import Config
+from .layout import Layout
+
+MODULE_TEMPLATE = "module.py.jinja"
+# First arch with a hardware e4m3 -> fp16 converter that Triton uses.
+_FP8_HARDWARE_ARCHES = ("sm89", "sm90", "sm100")
+
+
+def template_dir() -> Path:
+    """templates/ of a checkout, or the copy packaged into an installed wheel."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "_templates", package.parent / "templates"):
+        if (candidate / MODULE_TEMPLATE).is_file():
+            return candidate
+    raise FileNotFoundError(f"tqgen templates not found next to {package}")
+
+
+def template_hash() -> str:
+    """SHA-256 over every template's name and bytes."""
+    digest = hashlib.sha256()
+    root = template_dir()
+    for path in sorted(root.glob("*.jinja")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _embedded_sources() -> list[str]:
+    return [inspect.getsource(getattr(codebook, name)).rstrip() for name in codebook.EMBEDDED]
+
+
+def context(config: Config) -> dict:
+    """Everything the templates may read, computed from the (arch-resolved) config."""
+    if config.arch == "auto":
+        raise ValueError("resolve the arch (config.resolve_arch) before rendering")
+    layout = Layout.from_config(config)
+    fp8_hardware = config.arch in _FP8_HARDWARE_ARCHES
+    min_capability = (8, 9) if (layout.key_fp8 and fp8_hardware) else (8, 0)
+    config_items = [(k, json.dumps(v)) for k, v in config.to_dict().items() if v is not None]
+    return {
+        "version": __version__,
+        "config": config,
+        "config_items": config_items,
+        "config_literal": repr(dict(sorted(config.to_dict().items()))),
+        "config_hash": config.hash(),
+        "template_hash": template_hash(),
+        "arch": config.arch,
+        "L": layout.constants(),
+        "layout_fields": layout.fields(),
+        "D": config.head_dim,
+        "D_PAD": _next_power_of_two(config.head_dim),
+        "PAGE": config.block_size,
+        "key_fp8": layout.key_fp8,
+        "fp8_hardware": fp8_hardware,
+        "min_capability": min_capability,
+        "norm_correction": config.norm_correction,
+        "levels": list(codebook.lloyd_max_levels(config.key_bits)) if not layout.key_fp8 else [],
+        "embedded_sources": _embedded_sources(),
+        "output_dtype_literal": "None" if config.output_dtype == "auto" else f"torch.{config.output_dtype}",
+        "default_block_kv": 32,
+    }
+
+
+def _tidy(source: str) -> str:
+    """PEP 8 spacing whatever the templates' whitespace: no trailing spaces, two
+    blank lines before each top-level definition, never more than two in a row."""
+    out: list[str] = []
+    for line in source.splitlines():
+        line = line.rstrip()
+        top_level = line.startswith(("@", "def ", "class "))
+        if top_level and out and not out[-1].startswith(("@", "#")):
+            while out and out[-1] == "":
+                out.pop()
+            out.extend(["", ""])
+        out.append(line)
+    text = "\n".join(out).strip("\n") + "\n"
+    return re.sub(r"\n{4,}", "\n\n\n", text)
+
+
+def render(config: Config) -> str:
+    """The complete source of the module for one config."""
+    source = _environment().get_template(MODULE_TEMPLATE).render(**context(config))
+    source = _tidy(source)
+    compile(source, f"<{config.artifact_name()}>", "exec")  # a template bug fails here, not at import
+    return source
