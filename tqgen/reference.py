@@ -90,7 +90,9 @@ def encode_slots(config: Config, key: torch.Tensor, value: torch.Tensor,
     levels = 2**layout.value_bits - 1
     vmin = v.amin(-1)
     vmax = v.amax(-1)
-    scale = torch.clamp_min((vmax - vmin) / levels, 1e-8)
+    # Divide by a tensor: torch on CUDA turns division by a Python scalar into a
+    # multiplication by its reciprocal, which is not the IEEE division the kernel does.
+    scale = torch.clamp_min((vmax - vmin) / torch.full_like(vmax, levels), 1e-8)
     codes = torch.clamp(torch.floor((v - vmin.unsqueeze(-1)) / scale.unsqueeze(-1) + 0.5), 0, levels)
     off = layout.value_code_offset
     slots[..., off: off + layout.value_code_bytes] = pack_codes(codes.to(torch.int64), layout.value_bits)

@@ -1,0 +1,139 @@
+"""The `tqgen` command line: a thin layer over config, render, emit and verify.
+
+Errors a user can cause print one line, `tqgen: error: ...`, and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .errors import TqgenError
+
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+
+
+def _cmd_build(args: argparse.Namespace) -> int:
+    from . import emit
+
+    configs = [emit.as_config(path) for path in args.configs]  # validate all before writing any
+    for path, config in zip(args.configs, configs):
+        out = emit.build(config, args.output)
+        print(f"{path} -> {out}")
+    return 0
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    from . import emit, render
+
+    sys.stdout.write(render.render(emit.as_config(args.config)))
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from . import emit, render
+    from .layout import Layout
+
+    config = emit.as_config(args.config)
+    layout = Layout.from_config(config)
+    print(f"config      {args.config}")
+    for key, value in config.to_dict().items():
+        print(f"  {key:16s}{value}")
+    print(f"artifact    {config.artifact_name()}.py")
+    print(f"config hash {config.hash()}")
+    print(f"templates   {render.template_hash()}  ({render.template_dir()})")
+    print(f"slot        {layout.slot_bytes} bytes per token and KV head "
+          f"({layout.fp16_bytes_per_token / layout.slot_bytes:.2f}x smaller than fp16 K+V)")
+    print(f"  {'field':28s}{'offset':>8s}{'bytes':>7s}")
+    for name, offset, size in layout.fields():
+        print(f"  {name:28s}{offset:8d}{size:7d}")
+    print("tuned       none (autotuning is not built yet; launch defaults come from the heuristic)")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    device = args.device or ("cuda" if _cuda_available() else "cpu")
+    if device == "cpu":
+        # Triton reads this when it is first imported, so set it before anything imports it.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if os.environ["TRITON_INTERPRET"] != "1":
+            raise TqgenError("--device cpu needs Triton's interpreter; unset TRITON_INTERPRET or set it to 1")
+    from . import emit, verify
+
+    failed = 0
+    for path in args.configs:
+        config = emit.as_config(path)
+        module = emit.load(config, args.cache_dir)
+        print(f"{path}: {config.artifact_name()} on {device}", flush=True)
+
+        def show(result: verify.CheckResult) -> None:
+            print(f"  {'ok  ' if result.passed else 'FAIL'} {result.name:28s}{result.detail}", flush=True)
+
+        results = verify.run_checks(module, config, device=device, seed=args.seed, progress=show)
+        failed += sum(not r.passed for r in results)
+    if failed:
+        print(f"{failed} check(s) failed")
+        return EXIT_FAILED
+    print("all checks passed")
+    return 0
+
+
+def _cuda_available() -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other error
+        self.exit(EXIT_USAGE, f"tqgen: error: {message} (see tqgen --help)\n")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tqgen", description="Generate TurboQuant KV-cache kernels from YAML configs.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"tqgen {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+
+    build = commands.add_parser("build", help="render configs into importable modules")
+    build.add_argument("configs", nargs="+", metavar="CONFIG", help="YAML config files")
+    build.add_argument("-o", "--output", default="build", metavar="DIR", help="output folder (default: build)")
+    build.set_defaults(run=_cmd_build)
+
+    render = commands.add_parser("render", help="print the generated module of one config")
+    render.add_argument("config", metavar="CONFIG")
+    render.set_defaults(run=_cmd_render)
+
+    show = commands.add_parser("show", help="resolved config, slot layout and hashes")
+    show.add_argument("config", metavar="CONFIG")
+    show.set_defaults(run=_cmd_show)
+
+    verify = commands.add_parser("verify", help="check the generated kernels against the reference")
+    verify.add_argument("configs", nargs="+", metavar="CONFIG")
+    verify.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if available, else cpu (interpreter)")
+    verify.add_argument("--seed", type=int, default=0)
+    verify.add_argument("--cache-dir", metavar="DIR", help="where generated modules go (default: ~/.cache/tqgen)")
+    verify.set_defaults(run=_cmd_verify)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except TqgenError as exc:
+        print(f"tqgen: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("tqgen: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""`tqgen verify`: the generated kernels against the reference on random data.
+
+Each check runs the emitted module and `tqgen.reference` on the same inputs:
+store must match byte for byte, dequantize and decode within the tolerance
+of their arithmetic (fp16 tensor-core operands in decode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from . import reference
+from .config import Config
+from .testing import paged_batch, relative_error
+
+# Relative L2 error bounds. Decode multiplies fp16 operands (query, centroids or
+# fp8 keys, probabilities) on the tensor cores with fp32 accumulation; the
+# output dtype's rounding comes on top (bf16: about 2**-9).
+DECODE_TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-3, torch.bfloat16: 6e-3}
+DEQUANT_TOLERANCE = 1e-6  # fp32 output: only summation order differs
+
+
+@dataclasses.dataclass
+class CheckResult:
+    name: str
+    passed: bool
+    detail: str
+
+
+def run_checks(module: ModuleType, config: Config, *, device: str = "cuda", seed: int = 0,
+               seq_lens: tuple[int, ...] | None = None, num_kv_heads: int = 2, group_size: int = 4,
+               progress: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:
+    """Store, dequantize and decode checks on one random ragged batch."""
+    page = config.block_size
+    if seq_lens is None:
+        seq_lens = (1, page - 1, page + 1, 3 * page + 5, 0)
+    generator = torch.Generator().manual_seed(seed)
+    batch = paged_batch(config, list(seq_lens), num_kv_heads, device=device, generator=generator)
+    fp8 = config.key_format == "fp8"
+    rotation = None if fp8 else module.default_rotation(device)
+    centroids = None if fp8 else module.default_centroids(device)
+    codebook = {} if fp8 else {"rotation": rotation, "centroids": centroids}
+    results: list[CheckResult] = []
+
+    def record(name: str, passed: bool, detail: str) -> None:
+        results.append(CheckResult(name, passed, detail))
+        if progress:
+            progress(results[-1])
+
+    cache = module.make_cache(batch.num_blocks, num_kv_heads, device)
+    expected_cache = cache.clone()
+    module.store(batch.key, batch.value, cache, batch.slot_mapping, **codebook)
+    reference.store(config, batch.key, batch.value, expected_cache, batch.slot_mapping, rotation, centroids)
+    differing = int((cache != expected_cache).sum())
+    record("store", differing == 0, f"{differing} of {cache.numel()} bytes differ from the reference")
+
+    keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.float32, **codebook)
+    ref_keys, ref_values = reference.dequantize(config, cache, batch.block_table, batch.seq_lens, rotation, centroids)
+    for name, got, want in (("dequantize keys", keys, ref_keys), ("dequantize values", values, ref_values)):
+        err = relative_error(got, want)
+        record(name, err <= DEQUANT_TOLERANCE, f"relative error {err:.2e} (limit {DEQUANT_TOLERANCE:.0e})")
+
+    query = torch.randn(len(seq_lens), num_kv_heads * group_size, config.head_dim, generator=generator)
+    for dtype in (torch.float16, torch.bfloat16):
+        q = query.to(device=device, dtype=dtype)
+        want = reference.decode(config, q, cache, batch.block_table, batch.seq_lens, rotation, centroids)
+        for num_splits in (1, 3):
+            got = module.decode(q, cache, batch.block_table, batch.seq_lens, num_splits=num_splits, **codebook)
+            err = relative_error(got, want)
+            limit = DECODE_TOLERANCE[dtype]
+            finite = bool(torch.isfinite(got).all())
+            record(f"decode {str(dtype).replace('torch.', '')} splits={num_splits}", finite and err <= limit,
+                   f"relative error {err:.2e} (limit {limit:.0e}){'' if finite else ', non-finite output'}")
+    return results
