@@ -125,7 +125,8 @@ def from_mapping(data: Any, source: str = "<config>") -> Config:
     for field in data:
         if not isinstance(field, str) or field not in _FIELDS:
             allowed = ", ".join(_FIELDS)
-            raise ConfigError(source, str(field), f"unknown field; allowed fields are {allowed}")
+            shown = str(field) if str(field).isprintable() else _shown(str(field))  # keep the message one line
+            raise ConfigError(source, shown, f"unknown field; allowed fields are {allowed}")
     for field, value in data.items():
         types, allowed = _FIELDS[field]
         # bool is an int in Python; a YAML `true` is never a valid bit width.
@@ -183,8 +184,8 @@ def from_mapping(data: Any, source: str = "<config>") -> Config:
             raise ConfigError(source, "rotation", f"got 'hadamard' with head_dim {head_dim}; a Hadamard matrix "
                               "needs a power-of-two head_dim, use 'random' (any head_dim)")
         if rotation == "hadamard" and "rotation_seed" in data:
-            raise ConfigError(source, "rotation_seed", "set with rotation 'hadamard', which has no seed; "
-                              "remove it or use rotation 'random'")
+            raise ConfigError(source, "rotation_seed", f"got {_shown(seed)} with rotation 'hadamard', which has "
+                              "no seed; remove it or use rotation 'random'")
 
     return Config(
         key_format=key_format, key_bits=key_bits, value_bits=value_bits, head_dim=head_dim,

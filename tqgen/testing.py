@@ -38,6 +38,13 @@ def paged_batch(config: Config, seq_lens: list[int], num_kv_heads: int, *, devic
     `extra_table_columns` unused block-table columns (filled with -1) check
     that kernels stop at seq_len.
     """
+    # Keys and values first: they depend on the token count only, so two page
+    # sizes with one seed hold the same data.
+    shape = (sum(seq_lens), num_kv_heads, config.head_dim)
+    key = torch.randn(shape, generator=generator) * 2.0
+    value = torch.randn(shape, generator=generator) + 0.25 * torch.randn(shape[:-1], generator=generator)[..., None]
+    if config.key_format == "fp8":
+        key = fp8_representable(key)
     page = config.block_size
     pages = [(n + page - 1) // page for n in seq_lens]
     num_blocks = sum(pages) + spare_blocks
@@ -51,12 +58,6 @@ def paged_batch(config: Config, seq_lens: list[int], num_kv_heads: int, *, devic
         t = torch.arange(n)
         slots.append(block_table[b, t // page].to(torch.int64) * page + t % page)
     slot_mapping = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
-    num_tokens = int(slot_mapping.numel())
-    shape = (num_tokens, num_kv_heads, config.head_dim)
-    key = torch.randn(shape, generator=generator) * 2.0
-    value = torch.randn(shape, generator=generator) + 0.25 * torch.randn(shape[:-1], generator=generator)[..., None]
-    if config.key_format == "fp8":
-        key = fp8_representable(key)
     return PagedBatch(
         key=key.to(device=device, dtype=dtype),
         value=value.to(device=device, dtype=dtype),

@@ -1,0 +1,64 @@
+"""Shared fixtures: where kernels run, and the emitted module of each config.
+
+Kernel tests take the `device` fixture. Without CUDA they run on the CPU under
+Triton's interpreter (TRITON_INTERPRET=1, set here before anything imports
+triton). With CUDA, run them with `pytest -m gpu`: the same tests then launch
+the compiled kernels on the GPU.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available() and not INTERPRET
+
+import tqgen  # noqa: E402  (after TRITON_INTERPRET is settled)
+from tqgen import config as config_mod  # noqa: E402
+
+DEVICES = [
+    pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU kernels need TRITON_INTERPRET=1")),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]),
+]
+
+PRESETS = {
+    "k8v4": dict(key_format="fp8", value_bits=4),
+    "k4v4": dict(key_format="mse", key_bits=4, value_bits=4),
+    "k3v4": dict(key_format="mse", key_bits=3, value_bits=4),
+    "k3v3": dict(key_format="mse", key_bits=3, value_bits=3),
+}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+def make_config(preset: str, head_dim: int = 128, **overrides) -> config_mod.Config:
+    """A preset at a head dim, arch resolved for the machine running the tests."""
+    fields = dict(PRESETS[preset], head_dim=head_dim, **overrides)
+    return config_mod.resolve_arch(config_mod.from_mapping(fields, f"<{preset}-d{head_dim}>"))
+
+
+@pytest.fixture(scope="session")
+def build_module(tmp_path_factory):
+    """build_module(config) -> the imported emitted module (built once per config)."""
+    out_dir = tmp_path_factory.mktemp("modules")
+    modules = {}
+
+    def build(config):
+        if config not in modules:
+            modules[config] = tqgen.load(config, out_dir)
+        return modules[config]
+
+    return build
+
+
+def codebook_kwargs(module, config, device):
+    """The rotation/centroids keyword arguments a module's launchers take (none for fp8)."""
+    if config.key_format == "fp8":
+        return {}
+    return {"rotation": module.default_rotation(device), "centroids": module.default_centroids(device)}

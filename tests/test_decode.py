@@ -1,0 +1,168 @@
+"""Decode (stage 1 + stage 2) against the float64 reference of the same quantized cache."""
+
+import pytest
+import torch
+
+from conftest import PRESETS, codebook_kwargs, make_config
+from tqgen import reference
+from tqgen.testing import paged_batch, relative_error
+from tqgen.verify import DECODE_TOLERANCE
+
+
+def _filled_cache(module, config, seq_lens, num_kv_heads, device, seed=0):
+    batch = paged_batch(config, seq_lens, num_kv_heads, device=device, generator=torch.Generator().manual_seed(seed))
+    cache = module.make_cache(batch.num_blocks, num_kv_heads, device)
+    module.store(batch.key, batch.value, cache, batch.slot_mapping, **codebook_kwargs(module, config, device))
+    return batch, cache
+
+
+def _check_decode(module, config, device, seq_lens, num_kv_heads=2, group_size=4, dtype=torch.float32, seed=0,
+                  **launch):
+    batch, cache = _filled_cache(module, config, seq_lens, num_kv_heads, device, seed)
+    kwargs = codebook_kwargs(module, config, device)
+    generator = torch.Generator().manual_seed(seed + 100)
+    query = torch.randn(len(seq_lens), num_kv_heads * group_size, config.head_dim, generator=generator)
+    query = query.to(device=device, dtype=dtype)
+    out = module.decode(query, cache, batch.block_table, batch.seq_lens, **kwargs, **launch)
+    want = reference.decode(config, query, cache, batch.block_table, batch.seq_lens,
+                            kwargs.get("rotation"), kwargs.get("centroids"))
+    assert out.dtype == dtype and out.shape == want.shape
+    assert torch.isfinite(out).all()
+    error = relative_error(out, want)
+    assert error < DECODE_TOLERANCE[dtype], f"relative error {error:.2e}"
+    return out
+
+
+@pytest.mark.parametrize("preset,head_dim", [(p, 128) for p in sorted(PRESETS)]
+                         + [("k3v4", 96), ("k8v4", 96), ("k4v4", 64), ("k3v3", 64)])
+def test_presets_and_head_dims(device, build_module, preset, head_dim):
+    config = make_config(preset, head_dim=head_dim)
+    _check_decode(build_module(config), config, device, [1, 15, 17, 300])
+
+
+@pytest.mark.parametrize("group_size", [1, 4, 6, 8, 16])
+def test_gqa_group_sizes(device, build_module, group_size):
+    config = make_config("k3v4")
+    _check_decode(build_module(config), config, device, [33, 70], group_size=group_size, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
+def test_splits_and_page_sizes_on_ragged_batches(device, build_module, block_size, num_splits):
+    config = make_config("k4v4", block_size=block_size)
+    page = block_size
+    _check_decode(build_module(config), config, device, [1, page - 1, page + 1, 130, 0],
+                  num_splits=num_splits)
+
+
+@pytest.mark.parametrize("block_kv,num_warps", [(32, 4), (64, 2), (128, 8)])
+def test_launch_parameters_the_tuner_can_pick(device, build_module, block_kv, num_warps):
+    config = make_config("k3v3")
+    _check_decode(build_module(config), config, device, [5, 200], block_kv=block_kv, num_warps=num_warps,
+                  num_stages=2, num_splits=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_queries_and_outputs(device, build_module, dtype):
+    config = make_config("k8v4")
+    _check_decode(build_module(config), config, device, [40, 9], dtype=dtype)
+
+
+def test_fp8_keys_portable_decode_path(device, build_module):
+    """sm80's bit-manipulation fp8 decode is correct on any device."""
+    config = make_config("k8v4", arch="sm80")
+    _check_decode(build_module(config), config, device, [50, 3])
+
+
+def test_seq_len_zero_gives_zeros(device, build_module):
+    config = make_config("k3v4")
+    out = _check_decode(build_module(config), config, device, [0, 20, 0], num_splits=4)
+    assert torch.all(out[0] == 0) and torch.all(out[2] == 0) and not torch.all(out[1] == 0)
+
+
+def test_one_split_and_many_splits_agree(device, build_module):
+    config = make_config("k3v4")
+    module = build_module(config)
+    batch, cache = _filled_cache(module, config, [100, 257], 2, device)
+    query = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(5)).to(device)
+    kwargs = codebook_kwargs(module, config, device)
+    one = module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=1, **kwargs)
+    many = module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=7, **kwargs)
+    # Not bit-equal: probabilities enter P @ V as fp16 relative to each split's own
+    # running max, so their rounding differs with the split layout (~1e-4).
+    assert relative_error(many, one) < 1e-3
+
+
+def test_gqa_equals_heads_expanded(device, build_module):
+    """Group size 4 over 2 KV heads == group size 1 over the KV heads repeated 4 times."""
+    config = make_config("k4v4")
+    module = build_module(config)
+    batch, cache = _filled_cache(module, config, [37, 90], 2, device)
+    expanded = cache.repeat_interleave(4, dim=2).contiguous()
+    query = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(6)).to(device)
+    kwargs = codebook_kwargs(module, config, device)
+    grouped = module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=2, **kwargs)
+    mha = module.decode(query, expanded, batch.block_table, batch.seq_lens, num_splits=2, **kwargs)
+    assert relative_error(mha, grouped) < 1e-5
+
+
+def test_page_size_one_equals_page_size_sixteen(device, build_module):
+    small, large = make_config("k3v3", block_size=1), make_config("k3v3", block_size=16)
+    outputs = []
+    for config in (small, large):
+        module = build_module(config)
+        batch, cache = _filled_cache(module, config, [45, 18], 2, device, seed=9)
+        query = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(9)).to(device)
+        outputs.append(module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=2,
+                                     **codebook_kwargs(module, config, device)))
+    assert relative_error(outputs[0], outputs[1]) < 1e-6
+
+
+def test_workspace_and_out_buffers(device, build_module):
+    config = make_config("k3v4")
+    module = build_module(config)
+    batch, cache = _filled_cache(module, config, [30, 64], 2, device)
+    query = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(4)).to(device)
+    kwargs = codebook_kwargs(module, config, device)
+    workspace = module.DecodeWorkspace(max_batch=4, num_q_heads=8, max_splits=8, device=device)
+    out = torch.full((2, 8, 128), float("nan"), device=device)
+    result = module.decode(query, cache, batch.block_table, batch.seq_lens, out=out, workspace=workspace,
+                           num_splits=3, **kwargs)
+    assert result is out
+    plain = module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=3, **kwargs)
+    assert relative_error(out, plain) < 1e-6
+
+
+def test_decode_rejects_bad_arguments(device, build_module):
+    config = make_config("k3v4")
+    module = build_module(config)
+    batch, cache = _filled_cache(module, config, [20, 5], 2, device)
+    query = torch.randn(2, 8, 128, device=device)
+    table, lens = batch.block_table, batch.seq_lens
+    cases = [
+        (dict(query=query.to(torch.int32)), "query must be"),
+        (dict(query=torch.randn(2, 7, 128, device=device)), "not a multiple"),
+        (dict(query=torch.randn(2, 8, 96, device=device)), "head_dim 96"),
+        (dict(kv_cache=cache[..., :-2]), "slots are 116 bytes"),
+        (dict(block_table=table.to(torch.int64)), "block_table must be int32"),
+        (dict(seq_lens=lens[:1]), "seq_lens has 1 entries"),
+        (dict(seq_lens=lens + 1000), "block_table holds"),
+        (dict(block_table=table.clone().fill_(cache.shape[0])), "refers to block"),
+        (dict(block_kv=16), "block_kv must be"),
+    ]
+    args = dict(query=query, kv_cache=cache, block_table=table, seq_lens=lens)
+    for override, message in cases:
+        call = dict(args, **override)
+        with pytest.raises(module.LaunchError, match=message):
+            module.decode(call.pop("query"), call.pop("kv_cache"), call.pop("block_table"), call.pop("seq_lens"),
+                          **call)
+
+
+def test_empty_batch(device, build_module):
+    config = make_config("k8v4")
+    module = build_module(config)
+    cache = module.make_cache(2, 2, device)
+    out = module.decode(torch.zeros(0, 4, 128, device=device), cache,
+                        torch.zeros(0, 1, dtype=torch.int32, device=device),
+                        torch.zeros(0, dtype=torch.int32, device=device))
+    assert out.shape == (0, 4, 128)

@@ -1,0 +1,73 @@
+"""Full dequantization to dense K/V (keys back in the unrotated domain)."""
+
+import pytest
+import torch
+
+from conftest import PRESETS, codebook_kwargs, make_config
+from tqgen import reference
+from tqgen.testing import paged_batch, relative_error
+from tqgen.verify import DEQUANT_TOLERANCE
+
+
+def _stored(module, config, seq_lens, device, num_kv_heads=2, seed=0):
+    batch = paged_batch(config, seq_lens, num_kv_heads, device=device, generator=torch.Generator().manual_seed(seed))
+    cache = module.make_cache(batch.num_blocks, num_kv_heads, device)
+    module.store(batch.key, batch.value, cache, batch.slot_mapping, **codebook_kwargs(module, config, device))
+    return batch, cache
+
+
+@pytest.mark.parametrize("preset,head_dim", [(p, 128) for p in sorted(PRESETS)] + [("k3v4", 96), ("k8v4", 64)])
+def test_dequantize_matches_reference(device, build_module, preset, head_dim):
+    config = make_config(preset, head_dim=head_dim)
+    module = build_module(config)
+    batch, cache = _stored(module, config, [1, 15, 17, 70, 0], device)
+    kwargs = codebook_kwargs(module, config, device)
+    keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.float32, **kwargs)
+    want_keys, want_values = reference.dequantize(config, cache, batch.block_table, batch.seq_lens,
+                                                  kwargs.get("rotation"), kwargs.get("centroids"))
+    assert keys.shape == (5, 2, 70, head_dim)
+    assert relative_error(keys, want_keys) < DEQUANT_TOLERANCE
+    assert relative_error(values, want_values) < DEQUANT_TOLERANCE
+    # Past each sequence's end: zeros (the whole of sequence 4, which is empty).
+    for b, n in enumerate(batch.seq_lens.tolist()):
+        assert torch.all(keys[b, :, n:] == 0) and torch.all(values[b, :, n:] == 0)
+
+
+def test_dequantized_keys_approximate_the_originals(device, build_module):
+    """Quantization error, not only agreement with the reference: unrotation must be right."""
+    config = make_config("k4v4")
+    module = build_module(config)
+    batch, cache = _stored(module, config, [64], device, num_kv_heads=1)
+    keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.float32)
+    original_keys = batch.key.float().transpose(0, 1).unsqueeze(0)
+    original_values = batch.value.float().transpose(0, 1).unsqueeze(0)
+    assert relative_error(keys, original_keys) < 0.15  # 4-bit Lloyd-Max: about 0.1
+    assert relative_error(values, original_values) < 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_outputs(device, build_module, dtype):
+    config = make_config("k3v3")
+    module = build_module(config)
+    batch, cache = _stored(module, config, [33, 8], device)
+    keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=dtype, max_len=40)
+    exact_keys, exact_values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.float32,
+                                                 max_len=40)
+    assert keys.dtype == dtype and keys.shape == (2, 2, 40, 128)
+    if dtype == torch.float16:
+        assert torch.equal(keys, exact_keys.to(dtype)) and torch.equal(values, exact_values.to(dtype))
+    else:  # Triton's interpreter rounds fp32 -> bf16 toward zero; allow one bf16 step.
+        for got, exact in ((keys, exact_keys), (values, exact_values)):
+            assert torch.all((got.float() - exact).abs() <= exact.abs() * 2**-7)
+
+
+def test_dequantize_rejects_bad_arguments(device, build_module):
+    config = make_config("k3v4")
+    module = build_module(config)
+    batch, cache = _stored(module, config, [20], device)
+    with pytest.raises(module.LaunchError, match="dtype must be"):
+        module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.int8)
+    with pytest.raises(module.LaunchError, match="seq_lens has 2 entries"):
+        module.dequantize(cache, batch.block_table, torch.cat([batch.seq_lens, batch.seq_lens]))
+    with pytest.raises(module.LaunchError, match="rotation must be"):
+        module.dequantize(cache, batch.block_table, batch.seq_lens, rotation=torch.eye(64, device=device))
