@@ -79,6 +79,7 @@ def test_rendering_is_deterministic():
     first, second = render_mod.render(config), render_mod.render(config)
     assert first == second
     assert render_mod.render(dataclasses.replace(config)) == first  # an equal, distinct Config object
+    assert render_mod.render(resolve_arch(load(REPO / "configs" / "k3v4-d128.yaml"), (9, 0))) == first
 
 
 def test_different_configs_render_differently():
@@ -185,15 +186,34 @@ def test_fp8_decode_path_follows_the_arch(arch, hardware):
         assert "* 256.0" in ast.get_source_segment(source, jit_kernels(source)["tq_dequantize"])
 
 
-@pytest.mark.parametrize("config", VARIANTS)
-def test_source_is_tidy(config):
-    source = rendered(config)
+def assert_tidy(source: str) -> None:
     assert source.endswith("\n") and not source.endswith("\n\n")
     for number, line in enumerate(source.splitlines(), 1):
         assert line == line.rstrip(), f"trailing whitespace on line {number}: {line!r}"
         assert "\t" not in line, f"tab on line {number}"
     assert "\n\n\n\n" not in source, "3+ consecutive blank lines"
+
+
+@pytest.mark.parametrize("config", VARIANTS)
+def test_source_is_tidy(config):
+    source = rendered(config)
+    assert_tidy(source)
     assert "{{" not in source and "{%" not in source, "unrendered template syntax"
+
+
+def test_source_is_tidy_whatever_the_templates_whitespace(tmp_path, monkeypatch):
+    copy = tmp_path / "templates"
+    shutil.copytree(render_mod.template_dir(), copy)
+    module = copy / render_mod.MODULE_TEMPLATE
+    text = module.read_text()
+    text = text.replace("\nimport math\n", "\nimport math   \n\n\n\n\n\n")
+    text = text.replace("class LaunchError", "\n\n\n\n\nclass LaunchError") + "\n\n\n\n\nEXTRA = 1 \t \n\n\n"
+    module.write_text(text)
+    monkeypatch.setattr(render_mod, "template_dir", lambda: copy)
+    source = render_mod.render(shipped("k3v4-d128"))
+    assert_tidy(source)
+    assert "\nimport math\n" in source and source.endswith("\nEXTRA = 1\n")
+    assert "\n\n\nclass LaunchError" in source  # PEP 8: exactly two blank lines before a top-level class
 
 
 @pytest.mark.parametrize("config", VARIANTS)

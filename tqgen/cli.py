@@ -80,6 +80,57 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if not _cuda_available():
+        raise TqgenError("bench needs a CUDA GPU (timings under the interpreter mean nothing)")
+    import datetime
+    import platform
+
+    import torch
+    import triton
+
+    from . import bench, emit
+
+    configs = [emit.as_config(path) for path in args.configs]
+    ceiling = bench.copy_ceiling_gbps()
+    print(f"copy ceiling {ceiling:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
+    rows = []
+    if args.batch or args.context:
+        if not (args.batch and args.context):
+            raise TqgenError("bench: --batch and --context go together")
+        shapes = [(b, c) for b in args.batch for c in args.context]
+    else:
+        shapes = [_parse_shape(text) for text in args.shapes]
+    for config in configs:
+        module = emit.load(config, args.cache_dir)
+        for i, (batch, context) in enumerate(shapes, 1):
+            row = bench.bench_decode(module, config, batch, context, ceiling_gbps=ceiling,
+                                     num_q_heads=args.q_heads, num_kv_heads=args.kv_heads)
+            rows.append(row)
+            print(f"[{config.name} {i}/{len(shapes)}] batch {batch} context {context}: {row.graph_us:.1f} us "
+                  f"(graph), {row.ceiling_pct:.1f}% of ceiling, {row.speedup_vs_sdpa:.2f}x SDPA", flush=True)
+    print(bench.format_table(rows, ceiling))
+    if args.json:
+        metadata = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                    "date": datetime.date.today().isoformat(), "python": platform.python_version(),
+                    "q_heads": args.q_heads, "kv_heads": args.kv_heads}
+        bench.write_json(args.json, rows, ceiling, metadata)
+    return 0
+
+
+DEFAULT_BENCH_SHAPES = ("1x4096", "8x8192", "32x8192", "64x16384", "128x4096")
+
+
+def _parse_shape(text: str) -> tuple[int, int]:
+    try:
+        batch, context = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise TqgenError(f"bench: shape {text!r} is not BATCHxCONTEXT, e.g. 32x8192") from None
+    if batch < 1 or context < 1:
+        raise TqgenError(f"bench: shape {text!r} needs a positive batch and context")
+    return batch, context
+
+
 def _cuda_available() -> bool:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return False
@@ -120,6 +171,18 @@ def make_parser() -> argparse.ArgumentParser:
     verify.add_argument("--seed", type=int, default=0)
     verify.add_argument("--cache-dir", metavar="DIR", help="where generated modules go (default: ~/.cache/tqgen)")
     verify.set_defaults(run=_cmd_verify)
+
+    bench = commands.add_parser("bench", help="time decode against the copy ceiling and fp16 SDPA (GPU)")
+    bench.add_argument("configs", nargs="+", metavar="CONFIG")
+    bench.add_argument("--batch", type=int, nargs="+", metavar="B", help="with --context: every batch x context")
+    bench.add_argument("--context", type=int, nargs="+", metavar="T")
+    bench.add_argument("--shapes", nargs="+", metavar="BxT", default=list(DEFAULT_BENCH_SHAPES),
+                       help="batch x context pairs (default: perf.md's: %(default)s)")
+    bench.add_argument("--q-heads", type=int, default=32)
+    bench.add_argument("--kv-heads", type=int, default=8)
+    bench.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    bench.add_argument("--cache-dir", metavar="DIR")
+    bench.set_defaults(run=_cmd_bench)
     return parser
 
 
