@@ -81,6 +81,8 @@ def context(config: Config) -> dict:
         "layout_fields": layout.fields(),
         "D": config.head_dim,
         "D_PAD": _next_power_of_two(config.head_dim),
+        # Groups of 8 codes per code plane in decode; >= 16 because tl.dot needs K >= 16.
+        "GROUPS": max(16, _next_power_of_two(config.head_dim // 8)),
         "PAGE": config.block_size,
         "key_fp8": layout.key_fp8,
         "fp8_hardware": fp8_hardware,
@@ -89,7 +91,6 @@ def context(config: Config) -> dict:
         "levels": list(codebook.lloyd_max_levels(config.key_bits)) if not layout.key_fp8 else [],
         "embedded_sources": _embedded_sources(),
         "output_dtype_literal": "None" if config.output_dtype == "auto" else f"torch.{config.output_dtype}",
-        "default_block_kv": 32,
     }
 
 
