@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
-# The GPU run: every kernel test on the device, then the benchmark table.
+# The GPU run: every kernel test on the device, compute-sanitizer over every
+# kernel of every shipped config, then the benchmark table (printed last).
 # Usage (on a CUDA machine, from the repository root): bash tests/run_gpu.sh [OUT_DIR]
+# TQGEN_GPU_STEPS picks steps (default "tests sanitize bench").
 set -u
 out=${1:-${OUT:-/tmp/tqgen-gpu}}
+steps=${TQGEN_GPU_STEPS:-tests sanitize bench}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TQGEN_CACHE_DIR="$out/modules"
-python3 - <<'PY'
-import torch, triton
-print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
-PY
-python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 2>&1 | tee "$out/pytest-gpu.log" | tail -25
-tests_rc=${PIPESTATUS[0]}
-python3 -m tqgen.cli bench configs/k8v4-d128.yaml configs/k4v4-d128.yaml configs/k3v4-d128.yaml configs/k3v3-d128.yaml \
-    --json "$out/bench.json" ${TQGEN_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | grep -v '^\['
-echo "gpu tests exit code: $tests_rc"
-exit "$tests_rc"
+python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}')"
+status=0
+if [[ $steps == *tests* ]]; then
+    python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 2>&1 | tee "$out/pytest-gpu.log" | tail -25
+    rc=${PIPESTATUS[0]}; echo "gpu tests exit code: $rc"; (( rc )) && status=1
+fi
+if [[ $steps == *sanitize* ]]; then
+    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/sanitize_kernels.py \
+        > "$out/memcheck.log" 2>&1
+    rc=$?; tail -4 "$out/memcheck.log"; echo "memcheck exit code: $rc"; (( rc )) && status=1
+    timeout 200 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/sanitize_kernels.py \
+        configs/k3v4-d128.yaml configs/k8v4-d128.yaml > "$out/racecheck.log" 2>&1
+    rc=$?; tail -3 "$out/racecheck.log"; echo "racecheck exit code: $rc"; (( rc )) && status=1
+fi
+if [[ $steps == *bench* ]]; then
+    python3 -m tqgen.cli bench configs/k8v4-d128.yaml configs/k4v4-d128.yaml configs/k3v4-d128.yaml \
+        configs/k3v3-d128.yaml --json "$out/bench.json" ${TQGEN_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | grep -v '^\['
+fi
+exit "$status"

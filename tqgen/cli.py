@@ -16,9 +16,13 @@ EXIT_FAILED = 1
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
+    from . import config as config_mod
+
+    # Validate every config before writing any, and before importing torch (slow to import).
+    configs = [config_mod.load(path) for path in args.configs]
     from . import emit
 
-    configs = [emit.as_config(path) for path in args.configs]  # validate all before writing any
+    configs = [emit.as_config(config) for config in configs]
     for path, config in zip(args.configs, configs):
         out = emit.build(config, args.output)
         print(f"{path} -> {out}")

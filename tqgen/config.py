@@ -195,6 +195,27 @@ def from_mapping(data: Any, source: str = "<config>") -> Config:
     )
 
 
+class _DuplicateKey(yaml.MarkedYAMLError):
+    pass
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key; construct_mapping reports it
+                duplicate = False
+            if duplicate:
+                raise _DuplicateKey(problem=f"field {str(key)!r} is given twice", problem_mark=key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load(path: str | os.PathLike) -> Config:
     """Read and validate one YAML config file."""
     source = str(path)
@@ -207,7 +228,7 @@ def load(path: str | os.PathLike) -> Config:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(source, "<file>", f"cannot be read ({exc.__class__.__name__}: {exc})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
         where = ""
         mark = getattr(exc, "problem_mark", None)

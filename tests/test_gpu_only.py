@@ -1,0 +1,89 @@
+"""What only a GPU can show: caches past 4 GiB, CUDA-graph capture and replay."""
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, codebook_kwargs, make_config
+from tqgen import reference
+from tqgen.testing import relative_error
+from tqgen.verify import DECODE_TOLERANCE, DEQUANT_TOLERANCE
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
+
+
+def test_cache_larger_than_4_gib_uses_its_last_blocks(build_module):
+    """Byte offsets past 2**32 must be computed in 64 bits (stores, decode and dequantize)."""
+    config = make_config("k3v4")
+    module = build_module(config)
+    num_kv_heads = 8
+    block_bytes = config.block_size * num_kv_heads * module.SLOT_BYTES
+    num_blocks = (9 << 29) // block_bytes  # 4.5 GiB
+    cache = torch.empty(num_blocks, config.block_size, num_kv_heads, module.SLOT_BYTES, dtype=torch.uint8,
+                        device="cuda")
+    assert cache.numel() > 2**32
+    seq_lens = [70, 33]
+    last = torch.arange(num_blocks - 10, num_blocks, device="cuda", dtype=torch.int32)
+    block_table = torch.stack([last[:5], last[5:]])
+    slots = torch.cat([block_table[b, torch.arange(n, device="cuda") // 16].long() * 16
+                       + torch.arange(n, device="cuda") % 16 for b, n in enumerate(seq_lens)])
+    key = torch.randn(len(slots), num_kv_heads, 128, device="cuda", dtype=torch.float16)
+    value = torch.randn_like(key)
+    kwargs = codebook_kwargs(module, config, "cuda")
+    module.store(key, value, cache, slots, **kwargs)
+    expected = reference.encode_slots(config, key, value, kwargs["rotation"], kwargs["centroids"])
+    assert torch.equal(cache[slots // 16, slots % 16], expected)
+
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    query = torch.randn(2, 32, 128, device="cuda")
+    out = module.decode(query, cache, block_table, lens, **kwargs)
+    want = reference.decode(config, query, cache, block_table, lens, kwargs["rotation"], kwargs["centroids"])
+    assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
+    keys, values = module.dequantize(cache, block_table, lens, dtype=torch.float32, **kwargs)
+    want_keys, want_values = reference.dequantize(config, cache, block_table, lens, kwargs["rotation"],
+                                                  kwargs["centroids"])
+    assert relative_error(keys, want_keys) < DEQUANT_TOLERANCE
+    assert relative_error(values, want_values) < DEQUANT_TOLERANCE
+
+
+@pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
+def test_decode_captured_in_a_cuda_graph_replays_for_new_batch_contents(build_module, preset):
+    config = make_config(preset)
+    module = build_module(config)
+    kwargs = codebook_kwargs(module, config, "cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    num_blocks, max_blocks, batch = 64, 8, 4
+    cache = module.make_cache(num_blocks, 2, "cuda")
+    tokens = num_blocks * config.block_size
+    module.store(torch.randn(tokens, 2, 128, device="cuda", generator=generator),
+                 torch.randn(tokens, 2, 128, device="cuda", generator=generator),
+                 cache, torch.arange(tokens, device="cuda"), **kwargs)
+    query = torch.empty(batch, 8, 128, device="cuda")
+    block_table = torch.empty(batch, max_blocks, dtype=torch.int32, device="cuda")
+    seq_lens = torch.empty(batch, dtype=torch.int32, device="cuda")
+    out = torch.empty(batch, 8, 128, device="cuda")
+    workspace = module.DecodeWorkspace(batch, 8, 16, "cuda")
+
+    def fill(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        query.copy_(torch.randn(batch, 8, 128, device="cuda", generator=g))
+        block_table.copy_(torch.randperm(num_blocks, device="cuda", generator=g)[: batch * max_blocks]
+                          .view(batch, max_blocks).int())
+        seq_lens.copy_(torch.randint(0, max_blocks * config.block_size + 1, (batch,), device="cuda", generator=g))
+
+    def run():
+        module.decode(query, cache, block_table, seq_lens, out=out, workspace=workspace, num_splits=16, **kwargs)
+
+    fill(1)
+    run()  # compile and build per-device constants outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for seed in (2, 3, 4):
+        fill(seed)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = module.decode(query, cache, block_table, seq_lens, num_splits=16, **kwargs)
+        assert torch.isfinite(out).all()
+        assert relative_error(out, want) < 1e-6
