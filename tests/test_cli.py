@@ -188,3 +188,16 @@ def test_render_prints_a_module_that_compiles():
     compile(result.stdout, "<rendered>", "exec")
     expected = render_mod.render(dataclasses.replace(config_mod.load(REPO / K8V4), arch="sm80"))
     assert result.stdout == expected
+
+
+def test_verify_on_the_cpu_passes_and_reports_each_check(tmp_path):
+    result = tqgen("verify", "configs/k3v3-d128.yaml", "--device", "cpu", "--cache-dir", tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "all checks passed"
+    checks = [line.split()[0] for line in lines if line.startswith("  ")]
+    assert checks and set(checks) == {"ok"} and len(checks) == 7
+
+
+def test_bench_without_a_gpu_fails_with_one_line():
+    assert "needs a CUDA GPU" in assert_one_line_error(tqgen("bench", K3V4))
