@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from pathlib import Path
 
 from .errors import TqgenError
 
@@ -24,7 +26,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
     configs = [emit.as_config(config) for config in configs]
     for path, config in zip(args.configs, configs):
-        out = emit.build(config, args.output)
+        out = emit.build(config, args.output, args.tuned_dir)
         print(f"{path} -> {out}")
     return 0
 
@@ -53,8 +55,31 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(f"  {'field':28s}{'offset':>8s}{'bytes':>7s}")
     for name, offset, size in layout.fields():
         print(f"  {name:28s}{offset:8d}{size:7d}")
-    print("tuned       none (autotuning is not built yet; launch defaults come from the heuristic)")
+    _show_tuned(config, args.tuned_dir)
     return 0
+
+
+def _show_tuned(config, tuned_dir) -> None:
+    from . import emit, render, tuned
+
+    root = Path(tuned_dir) if tuned_dir else emit.default_tuned_dir()
+    baked = tuned.baked_launches(root, config, render.template_hash(), lambda message: print(f"  {message}"))
+    current = None
+    if _cuda_available():
+        import torch
+
+        current = torch.cuda.get_device_name()
+    if not baked:
+        print(f"tuned       none under {root}; every shape uses the heuristic launch (decode_launch_defaults)")
+    for device, entry in sorted(baked.items()):
+        here = " (this GPU)" if device == current else ""
+        print(f"tuned       {device}{here}: {len(entry['buckets'])} buckets, {entry['source']}, "
+              f"triton {entry['triton_version']}")
+        print(f"  {'bucket':22s}{'block_kv':>9s}{'warps':>6s}{'stages':>7s}{'splits':>7s}")
+        for key, launch in entry["buckets"].items():
+            print(f"  {key:22s}" + "".join(f"{value:{width}d}" for value, width in zip(launch, (9, 6, 7, 7))))
+    if current is not None and current not in baked:
+        print(f"tuned       nothing for this GPU ({current}): run tqgen tune")
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -135,6 +160,38 @@ def _parse_shape(text: str) -> tuple[int, int]:
     return batch, context
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    if not _cuda_available():
+        raise TqgenError("tune needs a CUDA GPU (it times the kernels on the device it tunes for)")
+    from . import config as config_mod
+
+    configs = [config_mod.load(path) for path in args.configs]
+    from . import emit, render, tune, tuned
+    from .buckets import default_buckets
+
+    space = tune.SearchSpace(**{field: tuple(values) for field, values in (
+        ("block_kv", args.block_kv), ("num_warps", args.warps), ("num_stages", args.stages),
+        ("num_splits", args.splits)) if values})
+    if any(v < 32 or v & (v - 1) for v in space.block_kv):
+        raise TqgenError(f"tune: --block-kv takes powers of two >= 32, got {list(space.block_kv)}")
+    if any(v < 1 for v in space.num_warps + space.num_stages + space.num_splits):
+        raise TqgenError("tune: --warps, --stages and --splits take positive integers")
+    buckets = default_buckets(args.group_size, args.batch, args.context)
+    root = Path(args.tuned_dir) if args.tuned_dir else emit.default_tuned_dir()
+    fingerprint = tuned.device_fingerprint()
+    for config in (emit.as_config(c) for c in configs):
+        module = emit.load(config, args.cache_dir, tuned_dir=root)
+        print(f"{config.name}: {len(buckets)} buckets x {len(space.candidates())} candidates on "
+              f"{fingerprint['device_name']}", flush=True)
+        started = time.monotonic()
+        path = tune.tune(config, module, buckets, space, root=root, fingerprint=fingerprint,
+                         template_hash=render.template_hash(), num_kv_heads=args.kv_heads, force=args.force,
+                         progress=lambda line: print("  " + line, flush=True))
+        print(f"{config.name}: wrote {path} in {time.monotonic() - started:.0f} s; "
+              f"`tqgen build` bakes it into the module", flush=True)
+    return 0
+
+
 def _cuda_available() -> bool:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return False
@@ -159,6 +216,7 @@ def make_parser() -> argparse.ArgumentParser:
     build = commands.add_parser("build", help="render configs into importable modules")
     build.add_argument("configs", nargs="+", metavar="CONFIG", help="YAML config files")
     build.add_argument("-o", "--output", default="build", metavar="DIR", help="output folder (default: build)")
+    build.add_argument("--tuned-dir", metavar="DIR", help="tuned launches to bake (default: tuned/ of the checkout)")
     build.set_defaults(run=_cmd_build)
 
     render = commands.add_parser("render", help="print the generated module of one config")
@@ -167,6 +225,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     show = commands.add_parser("show", help="resolved config, slot layout and hashes")
     show.add_argument("config", metavar="CONFIG")
+    show.add_argument("--tuned-dir", metavar="DIR", help="default: tuned/ of the checkout ($TQGEN_TUNED_DIR)")
     show.set_defaults(run=_cmd_show)
 
     verify = commands.add_parser("verify", help="check the generated kernels against the reference")
@@ -175,6 +234,24 @@ def make_parser() -> argparse.ArgumentParser:
     verify.add_argument("--seed", type=int, default=0)
     verify.add_argument("--cache-dir", metavar="DIR", help="where generated modules go (default: ~/.cache/tqgen)")
     verify.set_defaults(run=_cmd_verify)
+
+    tune = commands.add_parser("tune", help="pick decode launches per shape bucket on this GPU (writes tuned/)")
+    tune.add_argument("configs", nargs="+", metavar="CONFIG")
+    tune.add_argument("--group-size", type=int, nargs="+", default=[4], metavar="G",
+                      help="query heads per KV head (default: 4)")
+    tune.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128], metavar="B",
+                      help="batch sizes, bucketed to powers of two (default: 1 8 32 128)")
+    tune.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 16384, 65536], metavar="T",
+                      help="context lengths, bucketed to powers of two (default: 1024 4096 16384 65536)")
+    tune.add_argument("--block-kv", type=int, nargs="+", metavar="N", help="candidates (default: 32 64)")
+    tune.add_argument("--warps", type=int, nargs="+", metavar="N", help="candidates (default: 1 2 4)")
+    tune.add_argument("--stages", type=int, nargs="+", metavar="N", help="candidates (default: 1 2)")
+    tune.add_argument("--splits", type=int, nargs="+", metavar="N", help="candidates (default: 4 8 16 32 64)")
+    tune.add_argument("--kv-heads", type=int, default=8)
+    tune.add_argument("--force", action="store_true", help="re-tune buckets already in the file")
+    tune.add_argument("--tuned-dir", metavar="DIR", help="default: tuned/ of the checkout ($TQGEN_TUNED_DIR)")
+    tune.add_argument("--cache-dir", metavar="DIR")
+    tune.set_defaults(run=_cmd_tune)
 
     bench = commands.add_parser("bench", help="time decode against the copy ceiling and fp16 SDPA (GPU)")
     bench.add_argument("configs", nargs="+", metavar="CONFIG")

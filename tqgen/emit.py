@@ -33,6 +33,19 @@ def default_cache_dir() -> Path:
     return Path(base) / "tqgen"
 
 
+def default_tuned_dir() -> Path:
+    """$TQGEN_TUNED_DIR, else tuned/ of the checkout, else the copy packaged into the wheel."""
+    if os.environ.get("TQGEN_TUNED_DIR"):
+        return Path(os.environ["TQGEN_TUNED_DIR"])
+    package = Path(__file__).resolve().parent
+    checkout = package.parent / "tuned"
+    return checkout if checkout.is_dir() else package / "_tuned"
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
 def as_config(config_or_path: ConfigLike) -> Config:
     """A Config from a Config or a YAML path, with the arch resolved."""
     config = config_or_path if isinstance(config_or_path, Config) else config_mod.load(config_or_path)
@@ -64,12 +77,17 @@ def write_atomic(path: Path, data: bytes) -> bool:
     return True
 
 
-def build(config_or_path: ConfigLike, out_dir: str | os.PathLike | None = None) -> Path:
-    """Render one config and write its module; returns the module's path."""
+def build(config_or_path: ConfigLike, out_dir: str | os.PathLike | None = None,
+          tuned_dir: str | os.PathLike | None = None) -> Path:
+    """Render one config, with the tuned launches found for it, and write its module; returns its path."""
+    from . import tuned as tuned_store
+    from .render import template_hash
+
     config = as_config(config_or_path)
     out = Path(out_dir) if out_dir is not None else default_cache_dir()
     path = out / f"{config.artifact_name()}.py"
-    source = render(config)
+    root = Path(tuned_dir) if tuned_dir is not None else default_tuned_dir()
+    source = render(config, tuned_store.baked_launches(root, config, template_hash(), _warn))
     try:
         write_atomic(path, source.encode("utf-8"))
     except OSError as exc:
@@ -97,7 +115,8 @@ def import_module_file(path: str | os.PathLike) -> ModuleType:
     return module
 
 
-def load(config_or_path: ConfigLike, cache_dir: str | os.PathLike | None = None) -> ModuleType:
+def load(config_or_path: ConfigLike, cache_dir: str | os.PathLike | None = None,
+         tuned_dir: str | os.PathLike | None = None) -> ModuleType:
     """Import the module for a config (a Config, a YAML path, or an emitted .py file).
 
     Configs are rendered and written to `cache_dir` (default: `default_cache_dir()`)
@@ -105,4 +124,4 @@ def load(config_or_path: ConfigLike, cache_dir: str | os.PathLike | None = None)
     """
     if not isinstance(config_or_path, Config) and str(config_or_path).endswith(".py"):
         return import_module_file(config_or_path)
-    return import_module_file(build(config_or_path, cache_dir))
+    return import_module_file(build(config_or_path, cache_dir, tuned_dir))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jinja2
 
-from . import __version__, codebook
+from . import __version__, buckets, codebook
 from .config import Config
 from .layout import Layout
 
@@ -57,11 +57,37 @@ def _next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _embedded_sources() -> list[str]:
-    return [inspect.getsource(getattr(codebook, name)).rstrip() for name in codebook.EMBEDDED]
+def _embedded_sources(module) -> list[str]:
+    return [inspect.getsource(getattr(module, name)).rstrip() for name in module.EMBEDDED]
 
 
-def context(config: Config) -> dict:
+def _tuned_literal(tuned: dict) -> str:
+    """The baked table as a readable, deterministic Python literal."""
+    if not tuned:
+        return "{}"
+    lines = ["{"]
+    for device in sorted(tuned):
+        entry = tuned[device]
+        lines.append(f"    {device!r}: {{")
+        lines.append(f"        'triton_version': {entry['triton_version']!r},")
+        lines.append(f"        'source': {entry['source']!r},")
+        lines.append("        'buckets': {")
+        for key in sorted(entry["buckets"], key=buckets.bucket_sort_key):
+            lines.append(f"            {key!r}: {tuple(entry['buckets'][key])!r},")
+        lines.append("        },")
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _tuning_summary(tuned: dict) -> str:
+    if not tuned:
+        return "none; launches come from the heuristic in `decode_launch_defaults` unless passed."
+    parts = [f"{device}: {len(entry['buckets'])} buckets from {entry['source']}" for device, entry in sorted(tuned.items())]
+    return "; ".join(parts) + "; other shapes and devices use `decode_launch_defaults`."
+
+
+def context(config: Config, tuned: dict | None = None) -> dict:
     """Everything the templates may read, computed from the (arch-resolved) config."""
     if config.arch == "auto":
         raise ValueError("resolve the arch (config.resolve_arch) before rendering")
@@ -89,7 +115,10 @@ def context(config: Config) -> dict:
         "min_capability": min_capability,
         "norm_correction": config.norm_correction,
         "levels": list(codebook.lloyd_max_levels(config.key_bits)) if not layout.key_fp8 else [],
-        "embedded_sources": _embedded_sources(),
+        "embedded_sources": _embedded_sources(codebook),
+        "bucket_sources": _embedded_sources(buckets),
+        "tuned_literal": _tuned_literal(tuned or {}),
+        "tuning_summary": _tuning_summary(tuned or {}),
         "output_dtype_literal": "None" if config.output_dtype == "auto" else f"torch.{config.output_dtype}",
     }
 
@@ -110,9 +139,13 @@ def _tidy(source: str) -> str:
     return re.sub(r"\n{4,}", "\n\n\n", text)
 
 
-def render(config: Config) -> str:
-    """The complete source of the module for one config."""
-    source = _environment().get_template(MODULE_TEMPLATE).render(**context(config))
+def render(config: Config, tuned: dict | None = None) -> str:
+    """The complete source of the module for one config.
+
+    `tuned` maps a device name to {"triton_version", "source", "buckets":
+    {bucket key: (block_kv, num_warps, num_stages, num_splits)}} (see emit.tuned_launches).
+    """
+    source = _environment().get_template(MODULE_TEMPLATE).render(**context(config, tuned))
     source = _tidy(source)
     compile(source, f"<{config.artifact_name()}>", "exec")  # a template bug fails here, not at import
     return source

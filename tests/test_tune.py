@@ -1,0 +1,193 @@
+"""Tuning machinery on the CPU: buckets, the tuned file, resume, locking, baking.
+
+The tuner runs the real kernels under the interpreter with a wall-clock
+timer; on the GPU `tqgen tune` uses CUDA-graph timings instead.
+"""
+
+import json
+import multiprocessing
+import re
+import time
+
+import pytest
+import torch
+import triton
+
+from conftest import INTERPRET, make_config
+from tqgen import emit, render, tune, tuned
+from tqgen.buckets import bucket_bounds, bucket_key, default_buckets
+from tqgen.errors import TqgenError
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="CPU tuning runs under the interpreter")
+
+FINGERPRINT = {"device_name": "Test GPU", "compute_capability": "9.0", "sm_count": 4,
+               "triton_version": triton.__version__, "torch_version": torch.__version__.split("+")[0]}
+SPACE = tune.SearchSpace(block_kv=(32, 64), num_warps=(1,), num_stages=(1,), num_splits=(1, 2))
+BUCKETS = [(2, 2, 200), (2, 1, 100)]  # -> g2_b2_t256 and g2_b1_t256
+
+
+def cpu_timer(fn):
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    config = make_config("k3v4", head_dim=64)
+    module = emit.load(config, tmp_path_factory.mktemp("modules"))
+    return config, module
+
+
+def run_tune(setup, root, buckets=BUCKETS, timer=cpu_timer, progress=None, **kwargs):
+    config, module = setup
+    lines = []
+    path = tune.tune(config, module, buckets, SPACE, root=root, fingerprint=FINGERPRINT,
+                     template_hash=render.template_hash(), timer=timer, num_kv_heads=1, device="cpu",
+                     progress=progress or lines.append, **kwargs)
+    return path, lines
+
+
+def test_bucket_keys_round_up_to_powers_of_two():
+    assert bucket_key(4, 17, 4097) == bucket_key(4, 32, 8192) == "g4_b32_t8192"
+    assert bucket_key(4, 33, 8192) == "g4_b64_t8192"
+    assert bucket_key(6, 1, 1) == "g6_b1_t256"  # contexts below 256 share one bucket
+    assert bucket_bounds("g4_b32_t8192") == {"group_size": 4, "batch": [17, 32], "context": [4097, 8192]}
+    assert len(default_buckets()) == 16 and (4, 128, 65536) in default_buckets()
+
+
+def test_tune_writes_metadata_and_every_candidate(setup, tmp_path):
+    config, _ = setup
+    path, lines = run_tune(setup, tmp_path)
+    assert path == tmp_path / "Test_GPU" / f"{config.artifact_name()}.json"
+    document = json.loads(path.read_text())
+    metadata = document["metadata"]
+    assert metadata["config_hash"] == config.hash() and metadata["template_hash"] == render.template_hash()
+    assert metadata["device_name"] == "Test GPU" and metadata["sm_count"] == 4 and metadata["date"]
+    assert list(document["buckets"]) == ["g2_b1_t256", "g2_b2_t256"]
+    for entry in document["buckets"].values():
+        assert set(entry["timings_us"]) | set(entry["rejected"]) == {tuned.candidate_id(c) for c in SPACE.candidates()}
+        assert not entry["rejected"]
+        best = tuned.candidate_id(entry["best"])
+        assert entry["timings_us"][best] == min(entry["timings_us"].values()) == entry["best_us"]
+    assert len(lines) == 2 and all("best" in line for line in lines)
+
+
+def test_rerun_skips_finished_buckets_and_leaves_the_file(setup, tmp_path):
+    path, _ = run_tune(setup, tmp_path)
+    before = path.read_bytes()
+    _, lines = run_tune(setup, tmp_path, timer=lambda fn: pytest.fail("a finished bucket was timed again"))
+    assert all("already tuned" in line for line in lines) and path.read_bytes() == before
+
+
+def test_a_killed_run_keeps_the_buckets_it_finished(setup, tmp_path):
+    calls = {"n": 0}
+
+    def dying_timer(fn):
+        calls["n"] += 1
+        if calls["n"] > len(SPACE.candidates()):  # the first bucket finished, the second dies
+            raise KeyboardInterrupt
+        return cpu_timer(fn)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_tune(setup, tmp_path, timer=dying_timer)
+    config, _ = setup
+    path = tuned.tuned_path(tmp_path, "Test GPU", config)
+    assert list(json.loads(path.read_text())["buckets"]) == ["g2_b2_t256"]
+    _, lines = run_tune(setup, tmp_path)
+    assert "already tuned" in lines[0] and "best" in lines[1]
+    assert list(json.loads(path.read_text())["buckets"]) == ["g2_b1_t256", "g2_b2_t256"]
+
+
+@pytest.mark.parametrize("damage,phrase", [
+    (lambda doc: doc["metadata"].update(device_name="Other GPU"), "tuned for another setup (device_name"),
+    (lambda doc: doc["metadata"].update(template_hash="0" * 64), "template_hash"),
+    (None, "corrupt or truncated JSON"),
+])
+def test_unusable_files_are_reported_ignored_and_never_overwritten(setup, tmp_path, damage, phrase, capsys):
+    config, _ = setup
+    path, _ = run_tune(setup, tmp_path, buckets=BUCKETS[:1])
+    if damage is None:
+        path.write_bytes(path.read_bytes()[:-40])  # truncated
+    else:
+        document = json.loads(path.read_text())
+        damage(document)
+        # the device name lives in the path too; keep the file where the tuner looks
+        path.write_text(json.dumps(document))
+    before = path.read_bytes()
+    with pytest.raises(TqgenError, match=re.escape(phrase)) as error:
+        run_tune(setup, tmp_path)
+    assert str(path) in str(error.value) and path.read_bytes() == before
+    module_text = emit.build(config, tmp_path / "out", tmp_path).read_text()
+    if "device_name" in phrase:
+        # Valid for the device it names: a build (which may run anywhere) bakes it under that name.
+        assert "'Other GPU': {" in module_text
+    else:
+        # Other kernels or a damaged file: reported with its path, nothing baked.
+        assert "TUNED_LAUNCHES = {}" in module_text
+        assert str(path) in capsys.readouterr().err
+
+
+def test_a_wrong_candidate_is_rejected_not_picked(setup, tmp_path, monkeypatch):
+    config, module = setup
+    original = module.decode
+
+    def broken_for_two_splits(*args, **kwargs):
+        out = original(*args, **kwargs)
+        return out + 1.0 if kwargs.get("num_splits") == 2 else out
+
+    monkeypatch.setattr(module, "decode", broken_for_two_splits)
+    path, _ = run_tune(setup, tmp_path, buckets=BUCKETS[:1])
+    entry = json.loads(path.read_text())["buckets"]["g2_b2_t256"]
+    assert set(entry["rejected"]) == {"kv32_w1_st1_sp2", "kv64_w1_st1_sp2"}
+    assert all("relative error" in reason for reason in entry["rejected"].values())
+    assert entry["best"]["num_splits"] == 1
+
+
+def _save_many(path, metadata, worker):
+    for i in range(15):
+        tuned.save_bucket(path, metadata, f"g{worker}_b{i + 1}_t256",
+                          {"best": {"block_kv": 32, "num_warps": 1, "num_stages": 1, "num_splits": worker}})
+
+
+def test_concurrent_tuners_keep_each_others_buckets(setup, tmp_path):
+    config, _ = setup
+    metadata = tuned.make_metadata(config, FINGERPRINT, render.template_hash())
+    path = tuned.tuned_path(tmp_path, "Test GPU", config)
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_save_many, args=(path, metadata, w)) for w in (1, 2, 3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+        assert worker.exitcode == 0
+    buckets = tuned.read(path, metadata)
+    assert len(buckets) == 45 and {b["best"]["num_splits"] for b in buckets.values()} == {1, 2, 3}
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_build_bakes_tuned_launches_and_decode_uses_them(setup, tmp_path, monkeypatch):
+    config, _ = setup
+    path, _ = run_tune(setup, tmp_path)
+    entry = json.loads(path.read_text())["buckets"]["g2_b2_t256"]
+    module = emit.load(config, tmp_path / "out", tmp_path)
+    baked = module.TUNED_LAUNCHES["Test GPU"]
+    assert baked["triton_version"] == triton.__version__ and "Test_GPU/" in baked["source"]
+    assert baked["buckets"]["g2_b2_t256"] == tuple(entry["best"][f] for f in tuned.LAUNCH_FIELDS)
+    assert "Test GPU: 2 buckets" in module.__doc__
+
+    monkeypatch.setattr(module.torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    assert module._tuned_buckets("cuda") == baked["buckets"]
+    monkeypatch.setitem(baked, "triton_version", "0.0.0")
+    with pytest.warns(UserWarning, match="tuned with triton 0.0.0"):
+        assert module._tuned_buckets("cuda") == {}
+    monkeypatch.setattr(module.torch.cuda, "get_device_name", lambda device=None: "Another GPU")
+    assert module._tuned_buckets("cuda") == {}
+
+
+def test_heuristic_uses_sm_count_batch_heads_and_context(setup):
+    _, module = setup
+    device = torch.device("cpu")  # 4 "SMs" under the interpreter
+    assert module.decode_launch_defaults(1, 1, 4, 100_000, device) == (64, 2, 1, 64)
+    assert module.decode_launch_defaults(1, 1, 4, 128, device) == (64, 2, 1, 2)  # at most one split per 64 tokens
+    assert module.decode_launch_defaults(64, 8, 4, 100_000, device) == (32, 1, 1, 1)

@@ -1,0 +1,51 @@
+"""Shape buckets: which tuned launch a decode call uses.
+
+A bucket is (query heads per KV head, batch rounded up to a power of two,
+context rounded up to a power of two), named like `g4_b32_t8192`. The context
+of a call is the longest sequence the block table can hold (known on the
+host without reading seq_lens), or the caller's `max_seq_len` hint when given.
+
+`bucket_key` is copied verbatim into every emitted module by render.py, so
+the tuner and the modules bucket shapes identically.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+# Copied into every emitted module by render.py (one source of truth).
+EMBEDDED = ("bucket_key",)
+
+DEFAULT_BATCHES = (1, 8, 32, 128)
+DEFAULT_CONTEXTS = (1024, 4096, 16384, 65536)
+DEFAULT_GROUP_SIZES = (4,)
+
+
+def bucket_key(group_size, batch, context):
+    """'g{group}_b{batch rounded up to 2**k}_t{context rounded up to 2**k, at least 256}'."""
+    batch_bucket = 1 << max(0, int(batch) - 1).bit_length()
+    context_bucket = max(256, 1 << max(0, int(context) - 1).bit_length())
+    return f"g{int(group_size)}_b{batch_bucket}_t{context_bucket}"
+
+
+def bucket_bounds(key: str) -> dict:
+    """The shapes a bucket key covers: {'group_size', 'batch': [lo, hi], 'context': [lo, hi]}."""
+    group, batch, context = (int(part[1:]) for part in key.split("_"))
+    return {"group_size": group,
+            "batch": [batch // 2 + 1 if batch > 1 else 1, batch],
+            "context": [context // 2 + 1 if context > 256 else 1, context]}
+
+
+def default_buckets(group_sizes=DEFAULT_GROUP_SIZES, batches=DEFAULT_BATCHES, contexts=DEFAULT_CONTEXTS):
+    """(group_size, batch, context) triples, one per bucket, each at the top of its bucket."""
+    keys = {}
+    for group, batch, context in itertools.product(group_sizes, batches, contexts):
+        keys.setdefault(bucket_key(group, batch, context), (group, batch, context))
+    return list(keys.values())
+
+
+def bucket_sort_key(key: str) -> tuple:
+    """Order bucket keys numerically (g4_b8_t1024 before g4_b32_t256)."""
+    numbers = re.findall(r"\d+", key)
+    return tuple(int(n) for n in numbers) if numbers else (key,)

@@ -1,0 +1,146 @@
+"""`tqgen tune`: pick the decode launch per shape bucket on this GPU.
+
+For each bucket (query heads per KV head, batch, context) the tuner times
+every candidate launch (BLOCK_KV, num_warps, num_stages, split count) as a
+whole decode call (the split count changes stage 2 too), after checking that
+candidate's output against the float64 reference on a reduced copy of the
+problem (at most 2 sequences of at most 2048 tokens). Candidates that fail
+to compile or differ from the reference are recorded as rejected. Each
+finished bucket is saved at once (tuned.save_bucket: lock, merge, atomic
+replace), so a killed run keeps what it finished and a re-run resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from . import reference, tuned
+from .bench import random_cache
+from .buckets import bucket_bounds, bucket_key
+from .config import Config
+from .errors import TqgenError
+from .testing import relative_error
+from .verify import DECODE_TOLERANCE
+
+CHECK_BATCH, CHECK_CONTEXT = 2, 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    block_kv: tuple[int, ...] = (32, 64)
+    num_warps: tuple[int, ...] = (1, 2, 4)
+    num_stages: tuple[int, ...] = (1, 2)
+    num_splits: tuple[int, ...] = (4, 8, 16, 32, 64)
+
+    def candidates(self) -> list[dict[str, int]]:
+        return [dict(zip(tuned.LAUNCH_FIELDS, values))
+                for values in itertools.product(self.block_kv, self.num_warps, self.num_stages, self.num_splits)]
+
+
+def cuda_graph_timer(fn: Callable[[], object]) -> float:
+    """Median milliseconds of a CUDA-graph replay of fn (decode is launch-bound at small sizes)."""
+    import triton
+
+    return triton.testing.do_bench_cudagraph(fn, return_mode="median")
+
+
+def _problem(module: ModuleType, config: Config, group_size: int, batch: int, context: int, num_kv_heads: int,
+             device) -> dict:
+    page = config.block_size
+    blocks_per_seq = -(-context // page)
+    cache = random_cache(module, config, batch * blocks_per_seq, num_kv_heads, device)
+    table = torch.randperm(batch * blocks_per_seq, device=device).to(torch.int32).view(batch, blocks_per_seq)
+    return {
+        "cache": cache,
+        "block_table": table,
+        "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=device),
+        "query": torch.randn(batch, num_kv_heads * group_size, config.head_dim, device=device, dtype=torch.float16),
+    }
+
+
+def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int, context: int,
+                space: SearchSpace, *, timer: Callable, num_kv_heads: int = 8, device="cuda") -> dict:
+    """Time every candidate of one bucket; returns the bucket's entry for the tuned file."""
+    started = time.monotonic()
+    problem = _problem(module, config, group_size, batch, context, num_kv_heads, device)
+    codebook = {} if config.key_format == "fp8" else {"rotation": module.default_rotation(device),
+                                                      "centroids": module.default_centroids(device)}
+    check = {"query": problem["query"][:CHECK_BATCH], "block_table": problem["block_table"][:CHECK_BATCH],
+             "seq_lens": problem["seq_lens"][:CHECK_BATCH].clamp(max=CHECK_CONTEXT)}
+    expected = reference.decode(config, check["query"], problem["cache"], check["block_table"], check["seq_lens"],
+                                codebook.get("rotation"), codebook.get("centroids"))
+    limit = DECODE_TOLERANCE[torch.float16]
+    out = torch.empty_like(problem["query"])
+    workspace = module.DecodeWorkspace(batch, problem["query"].shape[1], max(space.num_splits), device)
+    timings, rejected = {}, {}
+    for launch in space.candidates():
+        name = tuned.candidate_id(launch)
+        try:
+            got = module.decode(check["query"], problem["cache"], check["block_table"], check["seq_lens"],
+                                validate=False, **launch, **codebook)
+            error = relative_error(got, expected)
+            if not (error <= limit and torch.isfinite(got).all()):
+                rejected[name] = f"relative error {error:.2e} against the reference (limit {limit:.0e})"
+                continue
+
+            def call(launch=launch):
+                module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"],
+                              out=out, workspace=workspace, validate=False, **launch, **codebook)
+
+            call()
+            timings[name] = round(timer(call) * 1e3, 2)
+        except Exception as exc:  # a candidate that cannot compile or launch is a result, not a crash
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            rejected[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    if not timings:
+        raise TqgenError(f"bucket {bucket_key(group_size, batch, context)}: every candidate was rejected "
+                         f"({next(iter(rejected.values()), 'no candidates')})")
+    best_name = min(timings, key=timings.get)
+    best = next(launch for launch in space.candidates() if tuned.candidate_id(launch) == best_name)
+    return {
+        **bucket_bounds(bucket_key(group_size, batch, context)),
+        "shape": {"batch": batch, "context": context, "num_kv_heads": num_kv_heads},
+        "best": best,
+        "best_us": timings[best_name],
+        "timings_us": dict(sorted(timings.items(), key=lambda item: item[1])),
+        "rejected": rejected,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]], space: SearchSpace, *,
+         root: Path, fingerprint: dict, template_hash: str, timer: Callable = cuda_graph_timer,
+         num_kv_heads: int = 8, device="cuda", force: bool = False,
+         progress: Callable[[str], None] = print) -> Path:
+    """Tune the buckets not yet in the file (all with force=True); returns the tuned file's path."""
+    metadata = tuned.make_metadata(config, fingerprint, template_hash)
+    path = tuned.tuned_path(root, metadata["device_name"], config)
+    try:
+        done = tuned.read(path, metadata)
+    except tuned.Unusable as exc:
+        raise TqgenError(f"not overwriting {exc}; move it away to re-tune") from None
+    # Tune at the top of each bucket, once per bucket.
+    shapes: dict[str, tuple[int, int, int]] = {}
+    for group_size, batch, context in buckets:
+        key = bucket_key(group_size, batch, context)
+        bounds = bucket_bounds(key)
+        shapes.setdefault(key, (group_size, bounds["batch"][1], bounds["context"][1]))
+    total = len(shapes)
+    for index, (key, (group_size, batch, context)) in enumerate(shapes.items(), 1):
+        if key in done and not force:
+            progress(f"[{index}/{total}] {key}: already tuned ({tuned.candidate_id(done[key]['best'])}), skipped")
+            continue
+        entry = tune_bucket(module, config, group_size, batch, context, space, timer=timer,
+                            num_kv_heads=num_kv_heads, device=device)
+        tuned.save_bucket(path, metadata, key, entry)
+        progress(f"[{index}/{total}] {key}: best {tuned.candidate_id(entry['best'])} {entry['best_us']:.1f} us "
+                 f"({len(entry['timings_us'])} timed, {len(entry['rejected'])} rejected, {entry['seconds']:.0f} s)")
+    return path
