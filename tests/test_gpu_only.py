@@ -87,3 +87,52 @@ def test_decode_captured_in_a_cuda_graph_replays_for_new_batch_contents(build_mo
         want = module.decode(query, cache, block_table, seq_lens, num_splits=16, **kwargs)
         assert torch.isfinite(out).all()
         assert relative_error(out, want) < 1e-6
+
+
+def test_the_tuner_on_the_gpu_and_the_baked_module_uses_its_winner(tmp_path):
+    from tqgen import emit, render, tune, tuned
+
+    config = make_config("k3v4")
+    module = emit.load(config, tmp_path / "plain", tmp_path / "no-tuned")
+    space = tune.SearchSpace(block_kv=(32, 64), num_warps=(1, 2), num_stages=(1,), num_splits=(8, 32))
+    fingerprint = tuned.device_fingerprint()
+    path = tune.tune(config, module, [(4, 8, 2048)], space, root=tmp_path, fingerprint=fingerprint,
+                     template_hash=render.template_hash(), progress=lambda line: None)
+    entry = tuned.read(path, tuned.make_metadata(config, fingerprint, render.template_hash()))["g4_b8_t2048"]
+    assert len(entry["timings_us"]) + len(entry["rejected"]) == 8 and not entry["rejected"]
+    assert all(t > 0 for t in entry["timings_us"].values())
+    baked = emit.load(config, tmp_path / "baked", tmp_path)
+    expected = tuple(entry["best"][field] for field in tuned.LAUNCH_FIELDS)
+    assert baked.decode_launch(8, 8, 4, 2048, torch.device("cuda")) == expected
+    assert baked.decode_launch(8, 8, 4, 9000, torch.device("cuda")) == baked.decode_launch_defaults(
+        8, 8, 4, 9000, torch.device("cuda"))  # an untuned bucket falls back to the heuristic
+
+
+def test_live_autotune_mode(tmp_path):
+    """TQGEN_AUTOTUNE=1 runs stage 1 through triton.autotune; the result is still right."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = f"""
+import os, sys, torch
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from conftest import make_config, codebook_kwargs
+from tqgen import emit, reference
+from tqgen.testing import paged_batch, relative_error
+config = make_config("k8v4")
+module = emit.load(config, {str(tmp_path)!r})
+assert module._LIVE_AUTOTUNE
+batch = paged_batch(config, [300, 77], 2, device="cuda", generator=torch.Generator().manual_seed(0))
+cache = module.make_cache(batch.num_blocks, 2, "cuda")
+module.store(batch.key, batch.value, cache, batch.slot_mapping)
+query = torch.randn(2, 8, 128, device="cuda")
+out = module.decode(query, cache, batch.block_table, batch.seq_lens)
+want = reference.decode(config, query, cache, batch.block_table, batch.seq_lens)
+print(relative_error(out, want), module._stage1_autotuned.best_config)
+"""
+    result = subprocess.run([sys.executable, "-c", script], env=dict(__import__("os").environ, TQGEN_AUTOTUNE="1"),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    error = float(result.stdout.split()[0])
+    assert error < DECODE_TOLERANCE[torch.float32], result.stdout

@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import reprlib
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -113,8 +114,21 @@ def _type_name(value: Any) -> str:
             list: "a list", dict: "a mapping"}.get(type(value), type(value).__name__)
 
 
+# Bounded rendering of YAML values in messages: an alias bomb, a recursive alias or
+# a 10**5000 must cost no more to show than a short list does.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxlong, _REPR.maxother = 3, 4, 4, 50, 40, 50
+
+
 def _shown(value: Any) -> str:
-    text = repr(value) if isinstance(value, str) else json.dumps(value, default=str)
+    """A short, one-line rendering of a parsed YAML value (booleans and null as YAML spells them)."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    try:
+        text = _REPR.repr(value)
+    except (ValueError, RecursionError):  # ints past Python's str-conversion limit
+        text = f"<{_type_name(value)} too large to show>"
+    text = " ".join(text.split())
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -125,7 +139,7 @@ def from_mapping(data: Any, source: str = "<config>") -> Config:
     for field in data:
         if not isinstance(field, str) or field not in _FIELDS:
             allowed = ", ".join(_FIELDS)
-            shown = str(field) if str(field).isprintable() else _shown(str(field))  # keep the message one line
+            shown = field if isinstance(field, str) and field.isprintable() else _shown(field)  # one line
             raise ConfigError(source, shown, f"unknown field; allowed fields are {allowed}")
     for field, value in data.items():
         types, allowed = _FIELDS[field]
@@ -212,7 +226,7 @@ class _StrictLoader(yaml.SafeLoader):
             except TypeError:  # an unhashable key; construct_mapping reports it
                 duplicate = False
             if duplicate:
-                raise _DuplicateKey(problem=f"field {str(key)!r} is given twice", problem_mark=key_node.start_mark)
+                raise _DuplicateKey(problem=f"field {_shown(key)} is given twice", problem_mark=key_node.start_mark)
         return super().construct_mapping(node, deep=deep)
 
 
@@ -238,6 +252,8 @@ def load(path: str | os.PathLike) -> Config:
         raise ConfigError(source, "<yaml>", f"not valid YAML{where}: {problem}") from None
     except RecursionError:
         raise ConfigError(source, "<yaml>", "not valid YAML: nested too deeply") from None
+    except (ValueError, TypeError, OverflowError) as exc:  # scalars yaml cannot build: 2001-13-45, 10**5000
+        raise ConfigError(source, "<yaml>", f"not valid YAML: {' '.join(str(exc).split())[:200]}") from None
     if data is None:
         raise ConfigError(source, "<document>", "the file is empty; expected a mapping of config fields")
     if isinstance(data, dict) and "name" not in data:

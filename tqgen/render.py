@@ -109,6 +109,9 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         "D_PAD": _next_power_of_two(config.head_dim),
         # Groups of 8 codes per code plane in decode; >= 16 because tl.dot needs K >= 16.
         "GROUPS": max(16, _next_power_of_two(config.head_dim // 8)),
+        # Dequantize un-rotates keys this many output columns at a time: the fp32
+        # rotation tile of 128 columns x 128 rows fits shared memory, 256 x 256 does not.
+        "ROT_COLS": min(_next_power_of_two(config.head_dim), 128),
         "PAGE": config.block_size,
         "key_fp8": layout.key_fp8,
         "fp8_hardware": fp8_hardware,

@@ -1,0 +1,457 @@
+"""Wrong calls to every launcher (store, decode, dequantize) are refused before any kernel runs.
+
+A table of (case id, call builder, expected substring) rows, run for one MSE
+config (k3v4) and one fp8 config (k8v4): each call must raise the module's
+LaunchError (a ValueError) whose message names the offending argument, and
+must leave the cache untouched. Then the edge cases that must NOT raise: empty
+batches, zero tokens, seq_len 0, block-table columns of -1 past seq_len, and
+validate=False with block ids outside the cache (masked by the kernels).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import codebook_kwargs, make_config
+from tqgen import reference
+from tqgen.testing import paged_batch, relative_error
+from tqgen.verify import DECODE_TOLERANCE
+
+PRESETS = ("k3v4", "k8v4")  # one MSE config, one fp8 config
+SEQ_LENS = [20, 5]  # pages of 16: sequence 0 spans two blocks, sequence 1 one
+KV_HEADS, GROUP = 2, 4
+
+
+@dataclasses.dataclass
+class Ctx:
+    module: object
+    config: object
+    device: str
+    cache: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    slot_mapping: torch.Tensor
+    table: torch.Tensor
+    lens: torch.Tensor
+    query: torch.Tensor
+    codebook: dict
+
+    @property
+    def num_blocks(self):
+        return self.cache.shape[0]
+
+    @property
+    def page(self):
+        return self.module.PAGE_SIZE
+
+    @property
+    def slot(self):
+        return self.module.SLOT_BYTES
+
+    def cache_like(self, *shape, dtype=torch.uint8):
+        """A cache-sized tensor of another shape/dtype, holding the cache's bytes where they fit."""
+        other = torch.zeros(*shape, dtype=dtype, device=self.device)
+        if dtype == torch.uint8:
+            region = tuple(slice(0, min(a, b)) for a, b in zip(other.shape, self.cache.shape))
+            other[region] = self.cache[region]
+        return other
+
+    def defaults(self, op):
+        common = dict(self.codebook)
+        if op == "store":
+            return dict(key=self.key, value=self.value, kv_cache=self.cache, slot_mapping=self.slot_mapping, **common)
+        if op == "decode":
+            return dict(query=self.query, kv_cache=self.cache, block_table=self.table, seq_lens=self.lens, **common)
+        return dict(kv_cache=self.cache, block_table=self.table, seq_lens=self.lens, **common)
+
+
+_contexts = {}
+
+
+@pytest.fixture
+def make_ctx(build_module, device):
+    def make(preset):
+        if (preset, device) not in _contexts:
+            config = make_config(preset)
+            module = build_module(config)
+            batch = paged_batch(config, SEQ_LENS, KV_HEADS, device=device,
+                                generator=torch.Generator().manual_seed(11))
+            cache = module.make_cache(batch.num_blocks, KV_HEADS, device)
+            codebook = codebook_kwargs(module, config, device)
+            module.store(batch.key, batch.value, cache, batch.slot_mapping, **codebook)
+            query = torch.randn(len(SEQ_LENS), KV_HEADS * GROUP, config.head_dim,
+                                generator=torch.Generator().manual_seed(12)).to(device)
+            _contexts[preset, device] = Ctx(module, config, device, cache, batch.key, batch.value,
+                                            batch.slot_mapping, batch.block_table, batch.seq_lens, query, codebook)
+        return _contexts[preset, device]
+    return make
+
+
+def invoke(ctx, op, args):
+    args = dict(args)
+    if op == "store":
+        return ctx.module.store(args.pop("key"), args.pop("value"), args.pop("kv_cache"), args.pop("slot_mapping"),
+                                **args)
+    if op == "decode":
+        return ctx.module.decode(args.pop("query"), args.pop("kv_cache"), args.pop("block_table"),
+                                 args.pop("seq_lens"), **args)
+    return ctx.module.dequantize(args.pop("kv_cache"), args.pop("block_table"), args.pop("seq_lens"), **args)
+
+
+def call(op, **overrides):
+    """A builder: ctx -> (op, arguments), the op's valid arguments with `overrides` (functions of ctx) applied."""
+    def build(ctx):
+        args = ctx.defaults(op)
+        for name, make in overrides.items():
+            args[name] = make(ctx)
+        return op, args
+    return build
+
+
+def with_value(tensor, index, value):
+    tensor = tensor.clone()
+    tensor[index] = value
+    return tensor
+
+
+# Shared wrong arguments (functions of ctx).
+def cache_int8(c): return c.cache.view(torch.int8)
+def cache_fp16(c): return c.cache_like(*c.cache.shape, dtype=torch.float16)
+def cache_strided_slot(c): return c.cache_like(*c.cache.shape[:3], 2 * c.slot)[..., ::2]  # bytes 2 apart
+def cache_slot_plus_one(c): return c.cache_like(*c.cache.shape[:3], c.slot + 1)
+def cache_slot_minus_one(c): return c.cache_like(*c.cache.shape[:3], c.slot - 1)
+def cache_page_double(c): return c.cache_like(c.num_blocks, 2 * c.page, KV_HEADS, c.slot)
+def cache_page_half(c): return c.cache_like(c.num_blocks, c.page // 2, KV_HEADS, c.slot)
+def cache_3d(c): return c.cache[0]
+def cache_5d(c): return c.cache[None]
+def table_transposed(c): return c.table.t().contiguous().t()  # same values, rows not contiguous
+def lens_strided(c): return torch.stack([c.lens, c.lens], 1)[:, 0]
+def rotation_shape(c): return torch.eye(c.config.head_dim + 8, device=c.device)
+def rotation_fp64(c): return c.codebook["rotation"].double()
+def rotation_1d(c): return c.codebook["rotation"][0]
+def centroids_short(c): return c.codebook["centroids"][:-1]
+def centroids_fp16(c): return c.codebook["centroids"].half()
+def centroids_2d(c): return c.codebook["centroids"][None]
+def cpu(name): return lambda c: getattr(c, name).cpu()
+
+
+MSE, CUDA = "mse", "cuda"  # row flags: MSE configs only; needs a CUDA cache (a CPU tensor mixed in)
+
+# (case id, builder, expected substring of the message, flags)
+ROWS = [
+    # ---------------- store ----------------
+    ("store-key_int8", call("store", key=lambda c: c.key.to(torch.int8)), "key", ()),
+    ("store-key_float64", call("store", key=lambda c: c.key.double()), "key", ()),
+    ("store-key_list", call("store", key=lambda c: c.key.tolist()), "key", ()),
+    ("store-value_int8", call("store", value=lambda c: c.value.to(torch.int8)), "value", ()),
+    ("store-slot_mapping_float", call("store", slot_mapping=lambda c: c.slot_mapping.float()), "slot_mapping", ()),
+    ("store-slot_mapping_int16", call("store", slot_mapping=lambda c: c.slot_mapping.to(torch.int16)),
+     "slot_mapping", ()),
+    ("store-cache_int8", call("store", kv_cache=cache_int8), "kv_cache", ()),
+    ("store-cache_float16", call("store", kv_cache=cache_fp16), "kv_cache", ()),
+    ("store-cache_strided_slot", call("store", kv_cache=cache_strided_slot), "kv_cache", ()),
+    ("store-cache_slot_plus_one", call("store", kv_cache=cache_slot_plus_one), "kv_cache", ()),
+    ("store-cache_slot_minus_one", call("store", kv_cache=cache_slot_minus_one), "kv_cache", ()),
+    ("store-cache_page_double", call("store", kv_cache=cache_page_double), "kv_cache", ()),
+    ("store-cache_page_half", call("store", kv_cache=cache_page_half), "kv_cache", ()),
+    ("store-cache_3d", call("store", kv_cache=cache_3d), "kv_cache", ()),
+    ("store-cache_5d", call("store", kv_cache=cache_5d), "kv_cache", ()),
+    ("store-key_kv_heads", call("store", key=lambda c: c.key.repeat(1, 2, 1)[:, :3],
+                                value=lambda c: c.value.repeat(1, 2, 1)[:, :3]), "key", ()),
+    ("store-key_head_dim", call("store", key=lambda c: c.key[..., :-8], value=lambda c: c.value[..., :-8]),
+     "key", ()),
+    ("store-value_shape", call("store", value=lambda c: c.value[:-1]), "value", ()),
+    ("store-key_2d", call("store", key=lambda c: c.key[:, 0]), "key", ()),
+    ("store-slot_mapping_2d", call("store", slot_mapping=lambda c: c.slot_mapping[:, None]), "slot_mapping", ()),
+    ("store-slot_mapping_short", call("store", slot_mapping=lambda c: c.slot_mapping[:-1]), "slot_mapping", ()),
+    ("store-slot_beyond_cache", call("store", slot_mapping=lambda c: with_value(
+        c.slot_mapping, 3, c.num_blocks * c.page)), "slot_mapping", ()),
+    ("store-slot_far_beyond_cache", call("store", slot_mapping=lambda c: with_value(
+        c.slot_mapping, -1, 2**40)), "slot_mapping", ()),
+    ("store-rotation_shape", call("store", rotation=rotation_shape), "rotation", (MSE,)),
+    ("store-rotation_float64", call("store", rotation=rotation_fp64), "rotation", (MSE,)),
+    ("store-rotation_1d", call("store", rotation=rotation_1d), "rotation", (MSE,)),
+    ("store-centroids_short", call("store", centroids=centroids_short), "centroids", (MSE,)),
+    ("store-centroids_float16", call("store", centroids=centroids_fp16), "centroids", (MSE,)),
+    ("store-centroids_2d", call("store", centroids=centroids_2d), "centroids", (MSE,)),
+    ("store-key_on_cpu", call("store", key=cpu("key")), "key", (CUDA,)),
+    ("store-value_on_cpu", call("store", value=cpu("value")), "value", (CUDA,)),
+    ("store-slot_mapping_on_cpu", call("store", slot_mapping=cpu("slot_mapping")), "slot_mapping", (CUDA,)),
+    ("store-rotation_on_cpu", call("store", rotation=lambda c: c.codebook["rotation"].cpu()), "rotation",
+     (MSE, CUDA)),
+    # ---------------- decode ----------------
+    ("decode-query_int32", call("decode", query=lambda c: c.query.to(torch.int32)), "query", ()),
+    ("decode-query_float64", call("decode", query=lambda c: c.query.double()), "query", ()),
+    ("decode-block_table_int64", call("decode", block_table=lambda c: c.table.long()), "block_table", ()),
+    ("decode-block_table_float", call("decode", block_table=lambda c: c.table.float()), "block_table", ()),
+    ("decode-seq_lens_int64", call("decode", seq_lens=lambda c: c.lens.long()), "seq_lens", ()),
+    ("decode-cache_int8", call("decode", kv_cache=cache_int8), "kv_cache", ()),
+    ("decode-cache_float16", call("decode", kv_cache=cache_fp16), "kv_cache", ()),
+    ("decode-cache_strided_slot", call("decode", kv_cache=cache_strided_slot), "kv_cache", ()),
+    ("decode-cache_slot_plus_one", call("decode", kv_cache=cache_slot_plus_one), "kv_cache", ()),
+    ("decode-cache_slot_minus_one", call("decode", kv_cache=cache_slot_minus_one), "kv_cache", ()),
+    ("decode-cache_page_double", call("decode", kv_cache=cache_page_double), "kv_cache", ()),
+    ("decode-cache_page_half", call("decode", kv_cache=cache_page_half), "kv_cache", ()),
+    ("decode-cache_3d", call("decode", kv_cache=cache_3d), "kv_cache", ()),
+    ("decode-cache_5d", call("decode", kv_cache=cache_5d), "kv_cache", ()),
+    ("decode-cache_no_kv_heads", call("decode", kv_cache=lambda c: c.cache[:, :, :0]), "kv_cache", ()),
+    ("decode-block_table_transposed", call("decode", block_table=table_transposed), "block_table", ()),
+    ("decode-seq_lens_strided", call("decode", seq_lens=lens_strided), "seq_lens", ()),
+    ("decode-query_heads_not_multiple", call("decode", query=lambda c: c.query[:, :7]), "query", ()),
+    ("decode-query_group_too_large", call("decode", query=lambda c: c.query.repeat(1, 17, 1)), "query", ()),
+    ("decode-query_head_dim", call("decode", query=lambda c: c.query[..., :-8]), "query", ()),
+    ("decode-query_2d", call("decode", query=lambda c: c.query[0]), "query", ()),
+    ("decode-block_table_1d", call("decode", block_table=lambda c: c.table[0]), "block_table", ()),
+    ("decode-block_table_rows", call("decode", block_table=lambda c: c.table[:1]), "block_table", ()),
+    ("decode-seq_lens_2d", call("decode", seq_lens=lambda c: c.lens[:, None]), "seq_lens", ()),
+    ("decode-seq_lens_short", call("decode", seq_lens=lambda c: c.lens[:1]), "seq_lens", ()),
+    ("decode-block_table_too_short", call("decode", block_table=lambda c: c.table[:, :1].contiguous()),
+     "block_table", ()),
+    ("decode-seq_lens_beyond_table", call("decode", seq_lens=lambda c: c.lens + 1000), "seq_lens", ()),
+    ("decode-seq_lens_negative", call("decode", seq_lens=lambda c: with_value(c.lens, 1, -1)), "seq_lens", ()),
+    ("decode-block_id_num_blocks", call("decode", block_table=lambda c: with_value(c.table, (0, 1), c.num_blocks)),
+     "block_table", ()),
+    ("decode-block_id_negative", call("decode", block_table=lambda c: with_value(c.table, (1, 0), -1)),
+     "block_table", ()),
+    ("decode-block_id_int32_max", call("decode", block_table=lambda c: with_value(c.table, (0, 0), 2**31 - 1)),
+     "block_table", ()),
+    ("decode-out_dtype", call("decode", out=lambda c: torch.empty(c.query.shape, dtype=torch.float16,
+                                                                  device=c.device)), "out", ()),
+    ("decode-out_shape", call("decode", out=lambda c: torch.empty(2, 8, 64, device=c.device)), "out", ()),
+    ("decode-workspace_small", call("decode", workspace=lambda c: c.module.DecodeWorkspace(
+        1, KV_HEADS * GROUP, 4, c.device), num_splits=lambda c: 2), "workspace", ()),
+    ("decode-num_splits_zero", call("decode", num_splits=lambda c: 0), "num_splits", ()),
+    ("decode-block_kv_16", call("decode", block_kv=lambda c: 16), "block_kv", ()),
+    ("decode-rotation_shape", call("decode", rotation=rotation_shape), "rotation", (MSE,)),
+    ("decode-rotation_float64", call("decode", rotation=rotation_fp64), "rotation", (MSE,)),
+    ("decode-centroids_short", call("decode", centroids=centroids_short), "centroids", (MSE,)),
+    ("decode-centroids_float16", call("decode", centroids=centroids_fp16), "centroids", (MSE,)),
+    ("decode-query_on_cpu", call("decode", query=cpu("query")), "query", (CUDA,)),
+    ("decode-block_table_on_cpu", call("decode", block_table=cpu("table")), "block_table", (CUDA,)),
+    ("decode-seq_lens_on_cpu", call("decode", seq_lens=cpu("lens")), "seq_lens", (CUDA,)),
+    ("decode-out_on_cpu", call("decode", out=lambda c: torch.empty(c.query.shape)), "out", (CUDA,)),
+    ("decode-workspace_other_device", call("decode", workspace=lambda c: c.module.DecodeWorkspace(
+        4, KV_HEADS * GROUP, 8, "meta" if c.device == "cpu" else "cpu")), "workspace", ()),
+    ("decode-out_other_device", call("decode", out=lambda c: torch.empty(c.query.shape, device="meta")), "out", ()),
+    ("decode-centroids_on_cpu", call("decode", centroids=lambda c: c.codebook["centroids"].cpu()), "centroids",
+     (MSE, CUDA)),
+    # ---------------- dequantize ----------------
+    ("dequantize-block_table_int64", call("dequantize", block_table=lambda c: c.table.long()), "block_table", ()),
+    ("dequantize-seq_lens_int64", call("dequantize", seq_lens=lambda c: c.lens.long()), "seq_lens", ()),
+    ("dequantize-seq_lens_float", call("dequantize", seq_lens=lambda c: c.lens.float()), "seq_lens", ()),
+    ("dequantize-cache_int8", call("dequantize", kv_cache=cache_int8), "kv_cache", ()),
+    ("dequantize-cache_float16", call("dequantize", kv_cache=cache_fp16), "kv_cache", ()),
+    ("dequantize-cache_strided_slot", call("dequantize", kv_cache=cache_strided_slot), "kv_cache", ()),
+    ("dequantize-cache_slot_plus_one", call("dequantize", kv_cache=cache_slot_plus_one), "kv_cache", ()),
+    ("dequantize-cache_slot_minus_one", call("dequantize", kv_cache=cache_slot_minus_one), "kv_cache", ()),
+    ("dequantize-cache_page_double", call("dequantize", kv_cache=cache_page_double), "kv_cache", ()),
+    ("dequantize-cache_3d", call("dequantize", kv_cache=cache_3d), "kv_cache", ()),
+    ("dequantize-block_table_transposed", call("dequantize", block_table=table_transposed), "block_table", ()),
+    ("dequantize-seq_lens_strided", call("dequantize", seq_lens=lens_strided), "seq_lens", ()),
+    ("dequantize-block_table_0d", call("dequantize", block_table=lambda c: c.table[0, 0]), "block_table", ()),
+    ("dequantize-block_table_1d", call("dequantize", block_table=lambda c: c.table[0]), "block_table", ()),
+    ("dequantize-block_table_3d", call("dequantize", block_table=lambda c: c.table[None]), "block_table", ()),
+    ("dequantize-block_table_list", call("dequantize", block_table=lambda c: c.table.tolist()), "block_table", ()),
+    ("dequantize-seq_lens_2d", call("dequantize", seq_lens=lambda c: c.lens[:, None]), "seq_lens", ()),
+    ("dequantize-seq_lens_short", call("dequantize", seq_lens=lambda c: c.lens[:1]), "seq_lens", ()),
+    ("dequantize-block_table_too_short", call("dequantize", block_table=lambda c: c.table[:, :1].contiguous()),
+     "block_table", ()),
+    ("dequantize-seq_lens_beyond_table", call("dequantize", seq_lens=lambda c: c.lens + 1000), "seq_lens", ()),
+    ("dequantize-seq_lens_negative", call("dequantize", seq_lens=lambda c: with_value(c.lens, 0, -3)),
+     "seq_lens", ()),
+    ("dequantize-block_id_num_blocks", call("dequantize", block_table=lambda c: with_value(
+        c.table, (0, 1), c.num_blocks)), "block_table", ()),
+    ("dequantize-block_id_negative", call("dequantize", block_table=lambda c: with_value(c.table, (1, 0), -5)),
+     "block_table", ()),
+    ("dequantize-max_len_negative", call("dequantize", max_len=lambda c: -1), "max_len", ()),
+    ("dequantize-max_len_float", call("dequantize", max_len=lambda c: 20.0), "max_len", ()),
+    ("dequantize-dtype_int32", call("dequantize", dtype=lambda c: torch.int32), "dtype", ()),
+    ("dequantize-rotation_shape", call("dequantize", rotation=rotation_shape), "rotation", (MSE,)),
+    ("dequantize-rotation_1d", call("dequantize", rotation=rotation_1d), "rotation", (MSE,)),
+    ("dequantize-centroids_2d", call("dequantize", centroids=centroids_2d), "centroids", (MSE,)),
+    ("dequantize-centroids_float16", call("dequantize", centroids=centroids_fp16), "centroids", (MSE,)),
+    ("dequantize-block_table_on_cpu", call("dequantize", block_table=cpu("table")), "block_table", (CUDA,)),
+    ("dequantize-seq_lens_on_cpu", call("dequantize", seq_lens=cpu("lens")), "seq_lens", (CUDA,)),
+    ("dequantize-rotation_on_cpu", call("dequantize", rotation=lambda c: c.codebook["rotation"].cpu()),
+     "rotation", (MSE, CUDA)),
+]
+assert len({row[0] for row in ROWS}) == len(ROWS), "duplicate case ids"
+MATRIX = [pytest.param(preset, builder, expected, flags, id=f"{preset}-{case_id}")
+          for preset in PRESETS for case_id, builder, expected, flags in ROWS
+          if not (MSE in flags and make_config(preset).key_format != "mse")]
+
+
+@pytest.mark.parametrize("preset, builder, expected, flags", MATRIX)
+def test_wrong_call_is_refused_and_leaves_the_cache_alone(make_ctx, device, preset, builder, expected, flags):
+    if CUDA in flags and device != "cuda":
+        pytest.skip("mixing a CPU tensor with the cache needs a CUDA cache")
+    ctx = make_ctx(preset)
+    op, args = builder(ctx)
+    caches = [ctx.cache] + [t for t in (args["kv_cache"],) if t is not ctx.cache and isinstance(t, torch.Tensor)]
+    before = [t.clone() for t in caches]
+    with pytest.raises(ctx.module.LaunchError) as caught:
+        invoke(ctx, op, args)
+    assert isinstance(caught.value, ValueError)
+    message = str(caught.value)
+    assert message.startswith(f"{op}: "), message
+    assert expected in message, f"{expected!r} not named in {message!r}"
+    assert "\n" not in message
+    for tensor, snapshot in zip(caches, before):
+        assert torch.equal(tensor, snapshot), "a refused call changed the cache"
+
+
+# --------------------------------------------------------------------------
+# Edge cases that must not raise
+# --------------------------------------------------------------------------
+def _decode(ctx, table, lens, query=None, **launch):
+    query = ctx.query[: table.shape[0]] if query is None else query
+    return ctx.module.decode(query, ctx.cache, table, lens, **ctx.codebook, **launch)
+
+
+def _reference_decode(ctx, table, lens, query=None):
+    query = ctx.query[: table.shape[0]] if query is None else query
+    return reference.decode(ctx.config, query, ctx.cache, table, lens, ctx.codebook.get("rotation"),
+                            ctx.codebook.get("centroids"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_empty_batch(make_ctx, device, preset):
+    ctx = make_ctx(preset)
+    before = ctx.cache.clone()
+    for width in (0, 3):
+        table = torch.zeros(0, width, dtype=torch.int32, device=device)
+        lens = torch.zeros(0, dtype=torch.int32, device=device)
+        out = ctx.module.decode(torch.zeros(0, KV_HEADS * GROUP, ctx.config.head_dim, device=device), ctx.cache,
+                                table, lens, **ctx.codebook)
+        assert out.shape == (0, KV_HEADS * GROUP, ctx.config.head_dim)
+        keys, values = ctx.module.dequantize(ctx.cache, table, lens, **ctx.codebook)
+        assert keys.shape == values.shape == (0, KV_HEADS, 0, ctx.config.head_dim)
+    assert torch.equal(ctx.cache, before)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_store_of_zero_tokens_and_skipped_slots_writes_nothing(make_ctx, device, preset):
+    ctx = make_ctx(preset)
+    before = ctx.cache.clone()
+    empty = ctx.key[:0]
+    for dtype in (torch.int64, torch.int32):
+        ctx.module.store(empty, empty, ctx.cache, torch.zeros(0, dtype=dtype, device=device), **ctx.codebook)
+    # Negative slots are skipped, however negative.
+    skipped = torch.tensor([-1, -2, -(2**40)], device=device)[torch.arange(ctx.key.shape[0]) % 3]
+    ctx.module.store(ctx.key, ctx.value * 3, ctx.cache, skipped, **ctx.codebook)
+    assert torch.equal(ctx.cache, before)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_store_accepts_int32_slots_and_strided_inputs(make_ctx, device, preset):
+    ctx = make_ctx(preset)
+    reference_cache = ctx.module.make_cache(ctx.num_blocks, KV_HEADS, device)
+    ctx.module.store(ctx.key, ctx.value, reference_cache, ctx.slot_mapping, **ctx.codebook)
+    # Every head dim is 2 elements apart, and the cache is a view of every other block.
+    wide_key = torch.zeros(*ctx.key.shape[:2], 2 * ctx.config.head_dim, dtype=ctx.key.dtype, device=device)
+    wide_key[..., ::2] = ctx.key
+    wide_value = torch.zeros_like(wide_key)
+    wide_value[..., ::2] = ctx.value
+    big = ctx.module.make_cache(2 * ctx.num_blocks, KV_HEADS, device)
+    ctx.module.store(wide_key[..., ::2], wide_value[..., ::2], big[::2], ctx.slot_mapping.to(torch.int32),
+                     **ctx.codebook)
+    assert torch.equal(big[::2], reference_cache)
+    assert not big[1::2].any(), "store wrote outside the view it was given"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_seq_len_zero_entries(make_ctx, device, preset):
+    ctx = make_ctx(preset)
+    lens = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    out = _decode(ctx, ctx.table, lens, num_splits=3)
+    assert torch.isfinite(out).all()
+    assert torch.all(out[0] == 0) and not torch.all(out[1] == 0)
+    keys, values = ctx.module.dequantize(ctx.cache, ctx.table, lens, **ctx.codebook)
+    assert keys.shape[2] == 5 and torch.all(keys[0] == 0) and torch.all(values[0] == 0)
+    none = torch.zeros(2, dtype=torch.int32, device=device)
+    assert torch.all(_decode(ctx, ctx.table, none) == 0)
+    keys, _ = ctx.module.dequantize(ctx.cache, ctx.table, none, **ctx.codebook)
+    assert keys.shape == (2, KV_HEADS, 0, ctx.config.head_dim)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_unused_block_table_columns_of_minus_one(make_ctx, device, preset):
+    """Columns past each sequence's pages hold -1 (also with validate=True): same result as a trimmed table."""
+    ctx = make_ctx(preset)
+    trimmed = ctx.table[:, :2].contiguous()
+    padded = torch.full((2, 9), -1, dtype=torch.int32, device=device)
+    padded[:, :2] = trimmed
+    padded[1, 1] = -1  # sequence 1 (5 tokens) uses one page
+    for validate in (True, False):
+        a = _decode(ctx, padded, ctx.lens, num_splits=2, validate=validate)
+        b = _decode(ctx, trimmed, ctx.lens, num_splits=2, validate=validate)
+        assert torch.equal(a, b)
+        ka, va = ctx.module.dequantize(ctx.cache, padded, ctx.lens, validate=validate, **ctx.codebook)
+        kb, vb = ctx.module.dequantize(ctx.cache, trimmed, ctx.lens, validate=validate, **ctx.codebook)
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    want = _reference_decode(ctx, trimmed, ctx.lens)
+    assert relative_error(a, want) < DECODE_TOLERANCE[torch.float32]
+
+
+BAD_BLOCK_IDS = [pytest.param(lambda n: n, id="num_blocks"), pytest.param(lambda n: 2**31 - 1, id="int32_max"),
+                 pytest.param(lambda n: -1, id="minus_one"), pytest.param(lambda n: -(2**31), id="int32_min")]
+
+
+@pytest.mark.parametrize("bad_id", BAD_BLOCK_IDS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_validate_false_with_block_ids_outside_the_cache(make_ctx, device, preset, bad_id):
+    """The kernels mask such tokens: no crash, finite output, masked positions dequantize to zero."""
+    ctx = make_ctx(preset)
+    before = ctx.cache.clone()
+    table = with_value(ctx.table, (0, 0), bad_id(ctx.num_blocks))  # sequence 0: first page bad, second good
+    table[1, 0] = bad_id(ctx.num_blocks)  # sequence 1: its only page bad
+    for num_splits in (1, 4):
+        out = _decode(ctx, table, ctx.lens, num_splits=num_splits, validate=False)
+        assert torch.isfinite(out).all()
+    with pytest.raises(ctx.module.LaunchError, match="block_table"):
+        _decode(ctx, table, ctx.lens)
+    keys, values = ctx.module.dequantize(ctx.cache, table, ctx.lens, validate=False, **ctx.codebook)
+    assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+    assert torch.all(keys[0, :, :16] == 0) and torch.all(values[1] == 0)
+    good, _ = ctx.module.dequantize(ctx.cache, ctx.table, ctx.lens, **ctx.codebook)
+    assert torch.equal(keys[0, :, 16:], good[0, :, 16:])
+    assert torch.equal(ctx.cache, before)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_validate_false_masked_pages_leave_attention_over_the_remaining_tokens(make_ctx, device, preset):
+    """launchers: "the result for such a sequence is then attention over the tokens that remain".
+
+    Sequence 0 holds 20 tokens on pages [bad, good]: its result must be attention
+    over tokens 16..19, whether or not a whole KV tile (32 tokens here) is masked.
+    """
+    ctx = make_ctx(preset)
+    table = ctx.table[:1, :2].contiguous()
+    lens = ctx.lens[:1]
+    remaining = _reference_decode(ctx, table[:, 1:].contiguous(), torch.tensor([4], dtype=torch.int32,
+                                                                              device=device))
+    # Two pages of 16 = one 32-token tile (its first half masked); then 4 tokens per page
+    # shifted right by 48 so that the first 32-token tile is entirely masked.
+    for bad_pages, length in ((1, 20), (3, 52)):
+        padded = torch.full((1, bad_pages + 1), ctx.num_blocks + 7, dtype=torch.int32, device=device)
+        padded[0, bad_pages] = table[0, 1]
+        shifted = torch.tensor([length], dtype=torch.int32, device=device)
+        for num_splits in (1, 2):
+            out = _decode(ctx, padded, shifted, num_splits=num_splits, block_kv=32, validate=False)
+            assert torch.isfinite(out).all()
+            error = relative_error(out, remaining)
+            assert error < DECODE_TOLERANCE[torch.float32], (
+                f"{bad_pages} masked page(s), {num_splits} split(s): relative error {error:.2e} "
+                f"against attention over the 4 remaining tokens")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_validate_false_seq_lens_past_the_table_are_cut_at_the_table(make_ctx, device, preset):
+    ctx = make_ctx(preset)
+    table = ctx.table[:, :2].contiguous()
+    capacity = table.shape[1] * ctx.page
+    long = torch.tensor([20 + 1000, 5], dtype=torch.int32, device=device)
+    out = _decode(ctx, table, long, num_splits=2, validate=False)
+    cut = _decode(ctx, table, torch.tensor([capacity, 5], dtype=torch.int32, device=device), num_splits=2)
+    assert torch.isfinite(out).all() and torch.equal(out, cut)
