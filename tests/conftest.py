@@ -18,6 +18,7 @@ HAS_CUDA = torch.cuda.is_available() and not INTERPRET
 
 import tqgen  # noqa: E402  (after TRITON_INTERPRET is settled)
 from tqgen import config as config_mod  # noqa: E402
+from tqgen import testing  # noqa: E402
 
 DEVICES = [
     pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU kernels need TRITON_INTERPRET=1")),
@@ -59,6 +60,5 @@ def build_module(tmp_path_factory):
 
 def codebook_kwargs(module, config, device):
     """The rotation/centroids keyword arguments a module's launchers take (none for fp8)."""
-    if config.key_format == "fp8":
-        return {}
-    return {"rotation": module.default_rotation(device), "centroids": module.default_centroids(device)}
+    assert module.KEY_FORMAT == config.key_format
+    return testing.codebook_kwargs(module, device)

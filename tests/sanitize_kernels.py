@@ -15,14 +15,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tqgen  # noqa: E402
 from tqgen import emit  # noqa: E402
-from tqgen.testing import paged_batch  # noqa: E402
+from tqgen.testing import codebook_kwargs, paged_batch  # noqa: E402
 
 paths = sys.argv[1:] or sorted(str(p) for p in Path(__file__).resolve().parent.parent.glob("configs/*.yaml"))
 for path in paths:
     config = emit.as_config(path)
     module = tqgen.load(config)
-    kwargs = {} if config.key_format == "fp8" else {"rotation": module.default_rotation("cuda"),
-                                                     "centroids": module.default_centroids("cuda")}
+    kwargs = codebook_kwargs(module, "cuda")
     page = config.block_size
     batch = paged_batch(config, [1, page - 1, page + 3, 5 * page + 7, 0], 4, device="cuda",
                         generator=torch.Generator().manual_seed(0))

@@ -428,7 +428,6 @@ def test_validate_false_masked_pages_leave_attention_over_the_remaining_tokens(m
     """
     ctx = make_ctx(preset)
     table = ctx.table[:1, :2].contiguous()
-    lens = ctx.lens[:1]
     remaining = _reference_decode(ctx, table[:, 1:].contiguous(), torch.tensor([4], dtype=torch.int32,
                                                                               device=device))
     # Two pages of 16 = one 32-token tile (its first half masked); then 4 tokens per page

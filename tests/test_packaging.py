@@ -48,7 +48,7 @@ def test_readme_example_runs(monkeypatch, tmp_path):
     monkeypatch.setenv("TQGEN_CACHE_DIR", str(tmp_path))
     namespace = {}
     exec(compile(_readme_example().replace('"cuda"', repr(device)), "README.md", "exec"), namespace)
-    tq, out, keys, values = namespace["tq"], namespace["out"], namespace["keys"], namespace["values"]
+    out, keys, values = namespace["out"], namespace["keys"], namespace["values"]
     assert out.shape == (2, 32, 128) and out.dtype == torch.float16
     assert torch.all(out[1] == 0) and torch.isfinite(out).all() and not torch.all(out[0] == 0)
     assert keys.shape == values.shape == (2, 8, 20, 128)

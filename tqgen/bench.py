@@ -70,16 +70,25 @@ def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_hea
     return cache
 
 
+def random_problem(module: ModuleType, config: Config, batch: int, context: int, num_q_heads: int,
+                   num_kv_heads: int, device) -> dict:
+    """A full-length decode batch over a random cache in shuffled blocks: cache, block_table, seq_lens, query."""
+    blocks_per_seq = -(-context // config.block_size)
+    return {
+        "cache": random_cache(module, config, batch * blocks_per_seq, num_kv_heads, device),
+        "block_table": torch.randperm(batch * blocks_per_seq, device=device).to(torch.int32)
+                            .view(batch, blocks_per_seq),
+        "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=device),
+        "query": torch.randn(batch, num_q_heads, config.head_dim, dtype=torch.float16, device=device),
+    }
+
+
 def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *, ceiling_gbps: float,
                  num_q_heads: int = 32, num_kv_heads: int = 8, device="cuda") -> BenchRow:
     import triton
 
-    page = config.block_size
-    blocks_per_seq = triton.cdiv(context, page)
-    cache = random_cache(module, config, batch * blocks_per_seq, num_kv_heads, device)
-    block_table = torch.randperm(batch * blocks_per_seq, device=device).to(torch.int32).view(batch, blocks_per_seq)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    query = torch.randn(batch, num_q_heads, config.head_dim, dtype=torch.float16, device=device)
+    problem = random_problem(module, config, batch, context, num_q_heads, num_kv_heads, device)
+    cache, block_table, seq_lens, query = (problem[k] for k in ("cache", "block_table", "seq_lens", "query"))
     out = torch.empty_like(query)
     workspace = module.DecodeWorkspace(batch, num_q_heads, 64, device)
 

@@ -24,6 +24,13 @@ class PagedBatch:
     num_blocks: int
 
 
+def codebook_kwargs(module, device) -> dict:
+    """The rotation/centroids a module's launchers take: its defaults (MSE keys), none for fp8 keys."""
+    if module.KEY_FORMAT == "fp8":
+        return {}
+    return {"rotation": module.default_rotation(device), "centroids": module.default_centroids(device)}
+
+
 def fp8_representable(x: torch.Tensor) -> torch.Tensor:
     """Round to values float8 e4m3fn holds exactly (what CPU tests feed fp8 paths)."""
     return x.to(torch.float8_e4m3fn).to(x.dtype)

@@ -22,11 +22,11 @@ from typing import Callable
 import torch
 
 from . import reference, tuned
-from .bench import random_cache
+from .bench import random_problem
 from .buckets import bucket_bounds, bucket_key
 from .config import Config
 from .errors import TqgenError
-from .testing import relative_error
+from .testing import codebook_kwargs, relative_error
 from .verify import DECODE_TOLERANCE
 
 CHECK_BATCH, CHECK_CONTEXT = 2, 2048
@@ -51,27 +51,12 @@ def cuda_graph_timer(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench_cudagraph(fn, return_mode="median")
 
 
-def _problem(module: ModuleType, config: Config, group_size: int, batch: int, context: int, num_kv_heads: int,
-             device) -> dict:
-    page = config.block_size
-    blocks_per_seq = -(-context // page)
-    cache = random_cache(module, config, batch * blocks_per_seq, num_kv_heads, device)
-    table = torch.randperm(batch * blocks_per_seq, device=device).to(torch.int32).view(batch, blocks_per_seq)
-    return {
-        "cache": cache,
-        "block_table": table,
-        "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=device),
-        "query": torch.randn(batch, num_kv_heads * group_size, config.head_dim, device=device, dtype=torch.float16),
-    }
-
-
 def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int, context: int,
                 space: SearchSpace, *, timer: Callable, num_kv_heads: int = 8, device="cuda") -> dict:
     """Time every candidate of one bucket; returns the bucket's entry for the tuned file."""
     started = time.monotonic()
-    problem = _problem(module, config, group_size, batch, context, num_kv_heads, device)
-    codebook = {} if config.key_format == "fp8" else {"rotation": module.default_rotation(device),
-                                                      "centroids": module.default_centroids(device)}
+    problem = random_problem(module, config, batch, context, num_kv_heads * group_size, num_kv_heads, device)
+    codebook = codebook_kwargs(module, device)
     check = {"query": problem["query"][:CHECK_BATCH], "block_table": problem["block_table"][:CHECK_BATCH],
              "seq_lens": problem["seq_lens"][:CHECK_BATCH].clamp(max=CHECK_CONTEXT)}
     expected = reference.decode(config, check["query"], problem["cache"], check["block_table"], check["seq_lens"],
@@ -80,8 +65,8 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
     out = torch.empty_like(problem["query"])
     workspace = module.DecodeWorkspace(batch, problem["query"].shape[1], max(space.num_splits), device)
     timings, rejected = {}, {}
-    for launch in space.candidates():
-        name = tuned.candidate_id(launch)
+    launches = {tuned.candidate_id(launch): launch for launch in space.candidates()}
+    for name, launch in launches.items():
         try:
             got = module.decode(check["query"], problem["cache"], check["block_table"], check["seq_lens"],
                                 validate=False, **launch, **codebook)
@@ -104,7 +89,7 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
         raise TqgenError(f"bucket {bucket_key(group_size, batch, context)}: every candidate was rejected "
                          f"({next(iter(rejected.values()), 'no candidates')})")
     best_name = min(timings, key=timings.get)
-    best = next(launch for launch in space.candidates() if tuned.candidate_id(launch) == best_name)
+    best = launches[best_name]
     return {
         **bucket_bounds(bucket_key(group_size, batch, context)),
         "shape": {"batch": batch, "context": context, "num_kv_heads": num_kv_heads},

@@ -96,10 +96,16 @@ def read(path: Path, expected: dict[str, Any], fields: tuple[str, ...] = MATCHED
     Raises `Unusable` for a file that is corrupt, truncated, of another shape,
     or tuned for another setup (naming the fields that differ).
     """
+    document = _read_document(path, expected, fields)
+    return document["buckets"] if document else {}
+
+
+def _read_document(path: Path, expected: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any] | None:
+    """The whole checked document (metadata and buckets), or None if there is no file."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        return {}
+        return None
     except (OSError, UnicodeDecodeError) as exc:
         raise Unusable(f"{path}: cannot be read ({exc})") from None
     try:
@@ -114,12 +120,11 @@ def read(path: Path, expected: dict[str, Any], fields: tuple[str, ...] = MATCHED
                  if metadata.get(field) != expected.get(field)]
     if differing:
         raise Unusable(f"{path}: tuned for another setup ({'; '.join(differing)})")
-    buckets = document["buckets"]
-    for key, entry in buckets.items():
+    for key, entry in document["buckets"].items():
         best = entry.get("best") if isinstance(entry, dict) else None
         if not (isinstance(best, dict) and all(isinstance(best.get(f), int) for f in LAUNCH_FIELDS)):
             raise Unusable(f"{path}: bucket {key!r} has no valid 'best' launch")
-    return buckets
+    return document
 
 
 @contextlib.contextmanager
@@ -176,13 +181,13 @@ def baked_launches(root: Path, config: Config, template_hash: str, warn) -> dict
         if not path.is_file():
             continue
         try:
-            buckets = read(path, expected, SOFTWARE_FIELDS)
-            metadata = json.loads(path.read_text(encoding="utf-8"))["metadata"]
+            document = _read_document(path, expected, SOFTWARE_FIELDS)
         except Unusable as exc:
             warn(f"tqgen: ignoring {exc}")
             continue
-        if not buckets:
+        if not document or not document["buckets"]:
             continue
+        metadata, buckets = document["metadata"], document["buckets"]
         baked[metadata["device_name"]] = {
             "triton_version": metadata["triton_version"],
             "source": f"{device_dir.name}/{path.name} ({str(metadata.get('date', ''))[:10]})",

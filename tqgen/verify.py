@@ -15,7 +15,7 @@ import torch
 
 from . import reference
 from .config import Config
-from .testing import paged_batch, relative_error
+from .testing import codebook_kwargs, paged_batch, relative_error
 
 # Relative L2 error bounds. Decode multiplies fp16 operands (query, centroids or
 # fp8 keys, probabilities) on the tensor cores with fp32 accumulation; the
@@ -40,10 +40,8 @@ def run_checks(module: ModuleType, config: Config, *, device: str = "cuda", seed
         seq_lens = (1, page - 1, page + 1, 3 * page + 5, 0)
     generator = torch.Generator().manual_seed(seed)
     batch = paged_batch(config, list(seq_lens), num_kv_heads, device=device, generator=generator)
-    fp8 = config.key_format == "fp8"
-    rotation = None if fp8 else module.default_rotation(device)
-    centroids = None if fp8 else module.default_centroids(device)
-    codebook = {} if fp8 else {"rotation": rotation, "centroids": centroids}
+    codebook = codebook_kwargs(module, device)
+    rotation, centroids = codebook.get("rotation"), codebook.get("centroids")
     results: list[CheckResult] = []
 
     def record(name: str, passed: bool, detail: str) -> None:
