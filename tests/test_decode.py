@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import PRESETS, codebook_kwargs, make_config
-from tqgen import reference
+from tqgen import config as config_mod, layout, reference
 from tqgen.testing import paged_batch, relative_error
 from tqgen.verify import DECODE_TOLERANCE
 
@@ -38,6 +38,21 @@ def _check_decode(module, config, device, seq_lens, num_kv_heads=2, group_size=4
 def test_presets_and_head_dims(device, build_module, preset, head_dim):
     config = make_config(preset, head_dim=head_dim)
     _check_decode(build_module(config), config, device, [1, 15, 17, 300])
+
+
+@pytest.mark.parametrize("fields,head_dim", [
+    (dict(key_format="mse", key_bits=2, value_bits=2), 128),
+    (dict(key_format="mse", key_bits=4, value_bits=8), 128),
+    (dict(key_format="fp8", value_bits=8), 96),
+    (dict(key_format="mse", key_bits=3, value_bits=2), 64),
+    # head_dim / 8 odd with 3-bit codes: fields at odd bytes, so the byte-load path.
+    (dict(key_format="mse", key_bits=3, value_bits=4), 72),
+    (dict(key_format="mse", key_bits=4, value_bits=3), 72),
+])
+def test_other_bit_widths_and_load_paths(device, build_module, fields, head_dim):
+    config = config_mod.resolve_arch(config_mod.from_mapping(dict(fields, head_dim=head_dim), "<test>"))
+    assert layout.Layout.from_config(config).halfword_aligned == (head_dim != 72)
+    _check_decode(build_module(config), config, device, [1, 17, 40])
 
 
 @pytest.mark.parametrize("group_size", [1, 4, 6, 8, 16])

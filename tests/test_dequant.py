@@ -16,7 +16,7 @@ def _stored(module, config, seq_lens, device, num_kv_heads=2, seed=0):
     return batch, cache
 
 
-@pytest.mark.parametrize("preset,head_dim", [(p, 128) for p in sorted(PRESETS)] + [("k3v4", 96), ("k8v4", 64)])
+@pytest.mark.parametrize("preset,head_dim", [(p, 128) for p in sorted(PRESETS)] + [("k3v4", 96), ("k8v4", 64), ("k3v4", 72)])
 def test_dequantize_matches_reference(device, build_module, preset, head_dim):
     config = make_config(preset, head_dim=head_dim)
     module = build_module(config)

@@ -123,6 +123,9 @@ def cache_slot_plus_one(c): return c.cache_like(*c.cache.shape[:3], c.slot + 1)
 def cache_slot_minus_one(c): return c.cache_like(*c.cache.shape[:3], c.slot - 1)
 def cache_page_double(c): return c.cache_like(c.num_blocks, 2 * c.page, KV_HEADS, c.slot)
 def cache_page_half(c): return c.cache_like(c.num_blocks, c.page // 2, KV_HEADS, c.slot)
+def cache_odd_address(c):  # fields are read 16 bits at a time: an odd start is refused
+    flat = torch.zeros(c.cache.numel() + 1, dtype=torch.uint8, device=c.device)
+    return flat[1:].view(c.cache.shape)
 def cache_3d(c): return c.cache[0]
 def cache_5d(c): return c.cache[None]
 def table_transposed(c): return c.table.t().contiguous().t()  # same values, rows not contiguous
@@ -155,6 +158,7 @@ ROWS = [
     ("store-cache_slot_minus_one", call("store", kv_cache=cache_slot_minus_one), "kv_cache", ()),
     ("store-cache_page_double", call("store", kv_cache=cache_page_double), "kv_cache", ()),
     ("store-cache_page_half", call("store", kv_cache=cache_page_half), "kv_cache", ()),
+    ("store-cache_odd_address", call("store", kv_cache=cache_odd_address), "even address", ()),
     ("store-cache_3d", call("store", kv_cache=cache_3d), "kv_cache", ()),
     ("store-cache_5d", call("store", kv_cache=cache_5d), "kv_cache", ()),
     ("store-key_kv_heads", call("store", key=lambda c: c.key.repeat(1, 2, 1)[:, :3],
@@ -193,6 +197,7 @@ ROWS = [
     ("decode-cache_slot_minus_one", call("decode", kv_cache=cache_slot_minus_one), "kv_cache", ()),
     ("decode-cache_page_double", call("decode", kv_cache=cache_page_double), "kv_cache", ()),
     ("decode-cache_page_half", call("decode", kv_cache=cache_page_half), "kv_cache", ()),
+    ("decode-cache_odd_address", call("decode", kv_cache=cache_odd_address), "even address", ()),
     ("decode-cache_3d", call("decode", kv_cache=cache_3d), "kv_cache", ()),
     ("decode-cache_5d", call("decode", kv_cache=cache_5d), "kv_cache", ()),
     ("decode-cache_no_kv_heads", call("decode", kv_cache=lambda c: c.cache[:, :, :0]), "kv_cache", ()),
@@ -246,6 +251,7 @@ ROWS = [
     ("dequantize-cache_slot_plus_one", call("dequantize", kv_cache=cache_slot_plus_one), "kv_cache", ()),
     ("dequantize-cache_slot_minus_one", call("dequantize", kv_cache=cache_slot_minus_one), "kv_cache", ()),
     ("dequantize-cache_page_double", call("dequantize", kv_cache=cache_page_double), "kv_cache", ()),
+    ("dequantize-cache_odd_address", call("dequantize", kv_cache=cache_odd_address), "even address", ()),
     ("dequantize-cache_3d", call("dequantize", kv_cache=cache_3d), "kv_cache", ()),
     ("dequantize-block_table_transposed", call("dequantize", block_table=table_transposed), "block_table", ()),
     ("dequantize-seq_lens_strided", call("dequantize", seq_lens=lens_strided), "seq_lens", ()),

@@ -8,7 +8,12 @@ For each (config, batch, context) it reports, all measured in the same process:
 - the speedup over torch SDPA decode on a dense fp16 cache of the same shape;
 - the speedup over the same generated kernel launched with the seed's choice
   (32 splits, 1 warp, 1 stage; BLOCK_KV 32, since tl.dot needs tiles of >= 16
-  tokens and triton 3.6 miscompiles 16 -- the seed used 4).
+  tokens and triton 3.6 miscompiles 16 -- the seed used 4);
+- the launch the call used (tuned for this bucket, or the heuristic) and, side
+  by side, the heuristic launch's time (`decode_launch_defaults`).
+
+Store and dequantize are timed the same way (graph replay), counting bytes
+read plus bytes written against the same ceiling.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from .config import Config
 
 SEED_LAUNCH = dict(num_splits=32, block_kv=32, num_warps=1, num_stages=1)
+LAUNCH_FIELDS = ("block_kv", "num_warps", "num_stages", "num_splits")
 
 
 @dataclasses.dataclass
@@ -37,6 +43,26 @@ class BenchRow:
     speedup_vs_sdpa: float
     seed_launch_us: float
     speedup_vs_seed_launch: float
+    launch: str  # "tuned kv32 w1 st1 sp8" or "heuristic ..."
+    heuristic_us: float  # the heuristic launch (decode_launch_defaults), graph replay
+    speedup_vs_heuristic: float
+
+
+@dataclasses.dataclass
+class OpRow:
+    """A store or dequantize measurement: bytes read + written over the graph-replay time."""
+    config: str
+    op: str
+    shape: str
+    graph_us: float
+    nbytes: int
+    gbps: float
+    ceiling_pct: float
+
+
+def launch_name(launch) -> str:
+    block_kv, warps, stages, splits = launch
+    return f"kv{block_kv} w{warps} st{stages} sp{splits}"
 
 
 def copy_ceiling_gbps(device="cuda", nbytes: int = 2 << 30) -> float:
@@ -51,7 +77,11 @@ def copy_ceiling_gbps(device="cuda", nbytes: int = 2 << 30) -> float:
 
 
 def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_heads: int, device) -> torch.Tensor:
-    """Random slot bytes with plausible fp16 norm/scale/zero fields and no fp8 NaNs."""
+    """Random slot bytes with plausible fields: fp16 norm/scale/zero in range, fp8 keys of N(0, 1) keys.
+
+    Random fp8 bytes would give keys up to 240 and softmax weights so peaked that
+    fp16 rounding of the query alone exceeds the tuner's tolerance.
+    """
     cache = torch.randint(0, 256, (num_blocks, config.block_size, num_kv_heads, module.SLOT_BYTES),
                           dtype=torch.uint8, device=device)
 
@@ -66,7 +96,8 @@ def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_hea
     if config.key_format == "mse":
         put_fp16(module.KEY_NORM_OFFSET, 5.0, 20.0)
     else:
-        cache[..., : config.head_dim] &= 0xF7  # no 0x7F / 0xFF (NaN) bytes, |k| < 240
+        keys = torch.randn(*cache.shape[:3], config.head_dim, device=device)
+        cache[..., : config.head_dim] = keys.to(torch.float8_e4m3fn).view(torch.uint8)
     return cache
 
 
@@ -101,6 +132,15 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
     graph_ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
     call(**SEED_LAUNCH)
     seed_ms = triton.testing.do_bench_cudagraph(lambda: call(**SEED_LAUNCH), return_mode="median")
+    group_size = num_q_heads // num_kv_heads
+    used = tuple(module.decode_launch(batch, num_kv_heads, group_size, context, cache.device))
+    heuristic = tuple(module.decode_launch_defaults(batch, num_kv_heads, group_size, context, cache.device))
+    baked = module.TUNED_LAUNCHES.get(torch.cuda.get_device_name(cache.device), {}).get("buckets", {})
+    tuned = baked.get(module.bucket_key(group_size, batch, context))
+    source = "tuned" if tuned is not None and tuple(tuned) == used else "heuristic"
+    heuristic_launch = dict(zip(LAUNCH_FIELDS, heuristic))
+    call(**heuristic_launch)
+    heuristic_ms = triton.testing.do_bench_cudagraph(lambda: call(**heuristic_launch), return_mode="median")
 
     keys = torch.randn(batch, num_kv_heads, context, config.head_dim, dtype=torch.float16, device=device)
     values = torch.randn_like(keys)
@@ -117,22 +157,83 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
         config=config.name, batch=batch, context=context, plain_us=plain_ms * 1e3, graph_us=graph_ms * 1e3,
         gbps=gbps, ceiling_pct=100 * gbps / ceiling_gbps, sdpa_us=sdpa_ms * 1e3,
         speedup_vs_sdpa=sdpa_ms / best_ms, seed_launch_us=seed_ms * 1e3, speedup_vs_seed_launch=seed_ms / graph_ms,
+        launch=f"{source} {launch_name(used)}", heuristic_us=heuristic_ms * 1e3,
+        speedup_vs_heuristic=heuristic_ms / graph_ms,
     )
 
 
-def format_table(rows: list[BenchRow], ceiling_gbps: float) -> str:
-    lines = [f"copy ceiling: {ceiling_gbps:.0f} GB/s (device-to-device copy, read + write, this run)",
-             "| config | batch | context | decode us (plain) | decode us (graph) | GB/s | % ceiling "
-             "| fp16 SDPA us | x SDPA | seed-launch us | x seed launch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r.config} | {r.batch} | {r.context} | {r.plain_us:.1f} | {r.graph_us:.1f} | {r.gbps:.0f} "
-                     f"| {r.ceiling_pct:.1f} | {r.sdpa_us:.1f} | {r.speedup_vs_sdpa:.2f} | {r.seed_launch_us:.1f} "
-                     f"| {r.speedup_vs_seed_launch:.2f} |")
+def _op_row(config: Config, op: str, shape: str, graph_ms: float, nbytes: int, ceiling_gbps: float) -> OpRow:
+    gbps = nbytes / (graph_ms * 1e-3) / 1e9
+    return OpRow(config=config.name, op=op, shape=shape, graph_us=graph_ms * 1e3, nbytes=nbytes, gbps=gbps,
+                 ceiling_pct=100 * gbps / ceiling_gbps)
+
+
+def bench_store(module: ModuleType, config: Config, num_tokens: int, *, ceiling_gbps: float,
+                num_kv_heads: int = 8, device="cuda") -> OpRow:
+    """Quantize num_tokens fp16 (key, value) pairs into shuffled slots; bytes = fp16 read + slots written."""
+    import triton
+
+    from .testing import codebook_kwargs
+
+    key = torch.randn(num_tokens, num_kv_heads, config.head_dim, dtype=torch.float16, device=device)
+    value = torch.randn_like(key)
+    num_blocks = -(-num_tokens // config.block_size)
+    cache = module.make_cache(num_blocks, num_kv_heads, device)
+    slots = torch.randperm(num_blocks * config.block_size, device=device)[:num_tokens]
+    codebook = codebook_kwargs(module, device)
+
+    def call():
+        module.store(key, value, cache, slots, **codebook)
+
+    call()
+    graph_ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
+    nbytes = 2 * key.numel() * key.element_size() + num_tokens * num_kv_heads * module.SLOT_BYTES
+    return _op_row(config, "store", f"{num_tokens} tokens", graph_ms, nbytes, ceiling_gbps)
+
+
+def bench_dequantize(module: ModuleType, config: Config, batch: int, context: int, *, ceiling_gbps: float,
+                     num_kv_heads: int = 8, device="cuda") -> OpRow:
+    """Dense fp16 K and V of full-length sequences; bytes = slots read + fp16 written."""
+    import triton
+
+    from .testing import codebook_kwargs
+
+    problem = random_problem(module, config, batch, context, num_kv_heads, num_kv_heads, device)
+    codebook = codebook_kwargs(module, device)
+
+    def call():
+        module.dequantize(problem["cache"], problem["block_table"], problem["seq_lens"], max_len=context,
+                          validate=False, **codebook)
+
+    call()
+    graph_ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
+    slots = batch * num_kv_heads * context
+    nbytes = slots * module.SLOT_BYTES + 2 * slots * config.head_dim * 2
+    return _op_row(config, "dequantize", f"{batch}x{context}", graph_ms, nbytes, ceiling_gbps)
+
+
+def format_table(rows: list[BenchRow], ceiling_gbps: float, op_rows: list[OpRow] = ()) -> str:
+    lines = [f"copy ceiling: {ceiling_gbps:.0f} GB/s (device-to-device copy, read + write, this run)"]
+    if rows:
+        lines += ["| config | batch | context | decode us (plain) | decode us (graph) | GB/s | % ceiling "
+                  "| fp16 SDPA us | x SDPA | seed-launch us | x seed launch | launch | heuristic us | x heuristic |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r.config} | {r.batch} | {r.context} | {r.plain_us:.1f} | {r.graph_us:.1f} "
+                         f"| {r.gbps:.0f} | {r.ceiling_pct:.1f} | {r.sdpa_us:.1f} | {r.speedup_vs_sdpa:.2f} "
+                         f"| {r.seed_launch_us:.1f} | {r.speedup_vs_seed_launch:.2f} | {r.launch} "
+                         f"| {r.heuristic_us:.1f} | {r.speedup_vs_heuristic:.2f} |")
+    if op_rows:
+        lines += ["", "| config | op | shape | us (graph) | MB read + written | GB/s | % ceiling |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in op_rows:
+            lines.append(f"| {r.config} | {r.op} | {r.shape} | {r.graph_us:.1f} | {r.nbytes / 1e6:.1f} "
+                         f"| {r.gbps:.0f} | {r.ceiling_pct:.1f} |")
     return "\n".join(lines)
 
 
-def write_json(path, rows: list[BenchRow], ceiling_gbps: float, metadata: dict) -> None:
-    payload = {"metadata": metadata, "copy_ceiling_gbps": ceiling_gbps, "rows": [dataclasses.asdict(r) for r in rows]}
+def write_json(path, rows: list[BenchRow], ceiling_gbps: float, metadata: dict, op_rows: list[OpRow] = ()) -> None:
+    payload = {"metadata": metadata, "copy_ceiling_gbps": ceiling_gbps, "rows": [dataclasses.asdict(r) for r in rows],
+               "op_rows": [dataclasses.asdict(r) for r in op_rows]}
     with open(path, "w") as handle:
         json.dump(payload, handle, indent=1)

@@ -6,6 +6,7 @@ Errors a user can cause print one line, `tqgen: error: ...`, and exit 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -70,7 +71,13 @@ def _show_tuned(config, tuned_dir) -> None:
 
         current = torch.cuda.get_device_name()
     if not baked:
-        print(f"tuned       none under {root}; every shape uses the heuristic launch (decode_launch_defaults)")
+        print(f"tuned       none for {config.arch} under {root}; every shape uses the heuristic launch "
+              f"(decode_launch_defaults)")
+        stem = config.artifact_name().removesuffix(f"_{config.arch}")
+        others = sorted(root.glob(f"*/{stem}_sm*.json")) if root.is_dir() else []
+        if others:
+            print(f"            tuned for other archs (build with that arch, or on that GPU): "
+                  f"{', '.join(str(p.relative_to(root)) for p in others)}")
     for device, entry in sorted(baked.items()):
         here = " (this GPU)" if device == current else ""
         print(f"tuned       {device}{here}: {len(entry['buckets'])} buckets, {entry['source']}, "
@@ -118,32 +125,59 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
     import triton
 
-    from . import bench, emit
+    from . import bench, chart, emit
 
+    if args.chart:
+        chart.require_matplotlib()  # fail before the GPU work, not after it
     configs = [emit.as_config(path) for path in args.configs]
-    ceiling = bench.copy_ceiling_gbps()
-    print(f"copy ceiling {ceiling:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
-    rows = []
     if args.batch or args.context:
         if not (args.batch and args.context):
             raise TqgenError("bench: --batch and --context go together")
         shapes = [(b, c) for b in args.batch for c in args.context]
     else:
         shapes = [_parse_shape(text) for text in args.shapes]
+    dequant_shapes = [_parse_shape(text) for text in args.dequant_shapes]
+    ceiling = bench.copy_ceiling_gbps()
+    print(f"copy ceiling {ceiling:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
+    rows, op_rows = [], []
     for config in configs:
         module = emit.load(config, args.cache_dir)
-        for i, (batch, context) in enumerate(shapes, 1):
-            row = bench.bench_decode(module, config, batch, context, ceiling_gbps=ceiling,
-                                     num_q_heads=args.q_heads, num_kv_heads=args.kv_heads)
-            rows.append(row)
-            print(f"[{config.name} {i}/{len(shapes)}] batch {batch} context {context}: {row.graph_us:.1f} us "
-                  f"(graph), {row.ceiling_pct:.1f}% of ceiling, {row.speedup_vs_sdpa:.2f}x SDPA", flush=True)
-    print(bench.format_table(rows, ceiling))
+        if "decode" in args.ops:
+            for i, (batch, context) in enumerate(shapes, 1):
+                row = bench.bench_decode(module, config, batch, context, ceiling_gbps=ceiling,
+                                         num_q_heads=args.q_heads, num_kv_heads=args.kv_heads)
+                rows.append(row)
+                print(f"[{config.name} decode {i}/{len(shapes)}] batch {batch} context {context}: "
+                      f"{row.graph_us:.1f} us (graph), {row.ceiling_pct:.1f}% of ceiling, "
+                      f"{row.speedup_vs_sdpa:.2f}x SDPA, {row.launch}", flush=True)
+        measured = []
+        if "store" in args.ops:
+            measured += [bench.bench_store(module, config, tokens, ceiling_gbps=ceiling, num_kv_heads=args.kv_heads)
+                         for tokens in args.store_tokens]
+        if "dequantize" in args.ops:
+            measured += [bench.bench_dequantize(module, config, batch, context, ceiling_gbps=ceiling,
+                                                num_kv_heads=args.kv_heads) for batch, context in dequant_shapes]
+        for row in measured:
+            print(f"[{config.name} {row.op}] {row.shape}: {row.graph_us:.1f} us, {row.ceiling_pct:.1f}% of ceiling",
+                  flush=True)
+        op_rows += measured
+    print(bench.format_table(rows, ceiling, op_rows))
+    payload_metadata = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                        "triton": triton.__version__, "date": datetime.date.today().isoformat(),
+                        "python": platform.python_version(), "q_heads": args.q_heads, "kv_heads": args.kv_heads}
     if args.json:
-        metadata = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                    "date": datetime.date.today().isoformat(), "python": platform.python_version(),
-                    "q_heads": args.q_heads, "kv_heads": args.kv_heads}
-        bench.write_json(args.json, rows, ceiling, metadata)
+        bench.write_json(args.json, rows, ceiling, payload_metadata, op_rows)
+    if args.chart and rows:
+        chart.draw({"metadata": payload_metadata, "copy_ceiling_gbps": ceiling,
+                    "rows": [dataclasses.asdict(row) for row in rows]}, args.chart)
+        print(f"chart: {args.chart}")
+    return 0
+
+
+def _cmd_chart(args: argparse.Namespace) -> int:
+    from . import chart
+
+    print(chart.draw(chart.read_bench_json(args.bench_json), args.png))
     return 0
 
 
@@ -179,16 +213,24 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     buckets = default_buckets(args.group_size, args.batch, args.context)
     root = Path(args.tuned_dir) if args.tuned_dir else emit.default_tuned_dir()
     fingerprint = tuned.device_fingerprint()
+    errors = []
     for config in (emit.as_config(c) for c in configs):
         module = emit.load(config, args.cache_dir, tuned_dir=root)
         print(f"{config.name}: {len(buckets)} buckets x {len(space.candidates())} candidates on "
               f"{fingerprint['device_name']}", flush=True)
         started = time.monotonic()
-        path = tune.tune(config, module, buckets, space, root=root, fingerprint=fingerprint,
-                         template_hash=render.template_hash(), num_kv_heads=args.kv_heads, force=args.force,
-                         progress=lambda line: print("  " + line, flush=True))
+        try:
+            path = tune.tune(config, module, buckets, space, root=root, fingerprint=fingerprint,
+                             template_hash=render.template_hash(), num_kv_heads=args.kv_heads, force=args.force,
+                             progress=lambda line: print("  " + line, flush=True))
+        except TqgenError as exc:  # the next config is independent: tune it, fail at the end
+            errors.append(str(exc))
+            print(f"{config.name}: error after {time.monotonic() - started:.0f} s: {exc}", flush=True)
+            continue
         print(f"{config.name}: wrote {path} in {time.monotonic() - started:.0f} s; "
               f"`tqgen build` bakes it into the module", flush=True)
+    if errors:
+        raise TqgenError(f"tune: {len(errors)} of {len(configs)} configs did not finish: " + " | ".join(errors))
     return 0
 
 
@@ -261,9 +303,21 @@ def make_parser() -> argparse.ArgumentParser:
                        help="batch x context pairs (default: perf.md's: %(default)s)")
     bench.add_argument("--q-heads", type=int, default=32)
     bench.add_argument("--kv-heads", type=int, default=8)
+    bench.add_argument("--ops", nargs="+", choices=("decode", "store", "dequantize"),
+                       default=["decode", "store", "dequantize"], help="what to time (default: all)")
+    bench.add_argument("--store-tokens", type=int, nargs="+", metavar="N", default=[32, 4096, 65536],
+                       help="tokens per store call (default: %(default)s)")
+    bench.add_argument("--dequant-shapes", nargs="+", metavar="BxT", default=["1x4096", "32x8192"],
+                       help="batch x context for dequantize (default: %(default)s)")
     bench.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    bench.add_argument("--chart", metavar="PNG", help="also draw GB/s against context (needs matplotlib)")
     bench.add_argument("--cache-dir", metavar="DIR")
     bench.set_defaults(run=_cmd_bench)
+
+    chart = commands.add_parser("chart", help="draw a bench JSON file as a PNG (needs matplotlib)")
+    chart.add_argument("bench_json", metavar="BENCH_JSON")
+    chart.add_argument("png", metavar="PNG")
+    chart.set_defaults(run=_cmd_chart)
     return parser
 
 

@@ -114,6 +114,7 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         # needed 288 KB of 227 KB there, so larger head dims go 64 columns at a time.
         "ROT_COLS": _next_power_of_two(config.head_dim) if config.head_dim <= 128 else 64,
         "PAGE": config.block_size,
+        "halfword_loads": layout.halfword_aligned,
         "key_fp8": layout.key_fp8,
         "fp8_hardware": fp8_hardware,
         "min_capability": min_capability,

@@ -119,13 +119,22 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
         bounds = bucket_bounds(key)
         shapes.setdefault(key, (group_size, bounds["batch"][1], bounds["context"][1]))
     total = len(shapes)
+    failed = []
     for index, (key, (group_size, batch, context)) in enumerate(shapes.items(), 1):
         if key in done and not force:
             progress(f"[{index}/{total}] {key}: already tuned ({tuned.candidate_id(done[key]['best'])}), skipped")
             continue
-        entry = tune_bucket(module, config, group_size, batch, context, space, timer=timer,
-                            num_kv_heads=num_kv_heads, device=device)
+        try:
+            entry = tune_bucket(module, config, group_size, batch, context, space, timer=timer,
+                                num_kv_heads=num_kv_heads, device=device)
+        except TqgenError as exc:  # one bad bucket must not cost the others: report it, go on
+            failed.append(key)
+            progress(f"[{index}/{total}] {key}: FAILED, {exc}")
+            continue
         tuned.save_bucket(path, metadata, key, entry)
         progress(f"[{index}/{total}] {key}: best {tuned.candidate_id(entry['best'])} {entry['best_us']:.1f} us "
                  f"({len(entry['timings_us'])} timed, {len(entry['rejected'])} rejected, {entry['seconds']:.0f} s)")
+    if failed:
+        raise TqgenError(f"{config.name}: {len(failed)} of {total} buckets have no valid candidate "
+                         f"({', '.join(failed)}); they keep the heuristic launch. The others were saved to {path}")
     return path

@@ -1,0 +1,70 @@
+"""The benchmark's host-side pieces: table, JSON and chart (the timings themselves need a GPU)."""
+
+import json
+
+import pytest
+
+from tqgen import bench, chart, cli
+from tqgen.errors import TqgenError
+
+
+def _decode_row(config, batch, context, gbps):
+    return bench.BenchRow(config=config, batch=batch, context=context, plain_us=12.0, graph_us=10.0, gbps=gbps,
+                          ceiling_pct=gbps / 42.0, sdpa_us=20.0, speedup_vs_sdpa=2.0, seed_launch_us=30.0,
+                          speedup_vs_seed_launch=3.0, launch="tuned kv32 w1 st1 sp8", heuristic_us=15.0,
+                          speedup_vs_heuristic=1.5)
+
+
+def _bench_file(tmp_path):
+    rows = [_decode_row(c, b, t, 100.0 * b + t / 1000) for c in ("k3v4-d128", "k8v4-d128")
+            for b in (1, 32) for t in (1024, 4096, 16384)]
+    ops = [bench.OpRow(config="k3v4-d128", op="store", shape="4096 tokens", graph_us=8.0, nbytes=8_000_000,
+                       gbps=1000.0, ceiling_pct=23.8)]
+    path = tmp_path / "bench.json"
+    bench.write_json(path, rows, 4200.0, {"device": "NVIDIA H200", "triton": "3.6.0", "date": "2026-11-29"}, ops)
+    return path, rows, ops
+
+
+def test_table_has_every_row_and_column(tmp_path):
+    _, rows, ops = _bench_file(tmp_path)
+    table = bench.format_table(rows, 4200.0, ops)
+    assert "copy ceiling: 4200 GB/s" in table
+    assert table.count("| k3v4-d128 | 1 |") == 3 and table.count("tuned kv32 w1 st1 sp8") == len(rows)
+    assert "| k3v4-d128 | store | 4096 tokens | 8.0 | 8.0 | 1000 | 23.8 |" in table
+    header = next(line for line in table.splitlines() if line.startswith("| config | batch"))
+    assert all(line.count("|") == header.count("|") for line in table.splitlines() if "| tuned" in line)
+
+
+def test_json_round_trips(tmp_path):
+    path, rows, ops = _bench_file(tmp_path)
+    payload = json.loads(path.read_text())
+    assert payload["copy_ceiling_gbps"] == 4200.0
+    assert [r["gbps"] for r in payload["rows"]] == [r.gbps for r in rows]
+    assert payload["op_rows"][0]["op"] == "store"
+
+
+def test_chart_is_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path, _, _ = _bench_file(tmp_path)
+    png = tmp_path / "chart.png"
+    assert cli.main(["chart", str(path), str(png)]) == 0
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "no such file"),
+    ("{not json", "not a tqgen bench JSON file"),
+    ('{"rows": [{"config": "x"}], "copy_ceiling_gbps": 1}', "not a tqgen bench JSON file"),
+    ('{"rows": [], "copy_ceiling_gbps": 1}', "no decode rows"),
+])
+def test_chart_refuses_bad_input_in_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "bench.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(TqgenError, match=message):
+        chart.read_bench_json(path)
+    assert cli.main(["chart", str(path), str(tmp_path / "out.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tqgen: error:") and "\n" not in err and not (tmp_path / "out.png").exists()
