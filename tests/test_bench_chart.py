@@ -68,3 +68,14 @@ def test_chart_refuses_bad_input_in_one_line(tmp_path, capsys, content, message)
     assert cli.main(["chart", str(path), str(tmp_path / "out.png")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("tqgen: error:") and "\n" not in err and not (tmp_path / "out.png").exists()
+
+
+def test_chart_write_and_read_failures_are_one_line_errors(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path, _, _ = _bench_file(tmp_path)
+    assert cli.main(["chart", str(path), str(tmp_path / "missing-dir" / "chart.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tqgen: error: cannot write the chart to") and "missing-dir" in err and "\n" not in err
+    assert cli.main(["chart", str(tmp_path), str(tmp_path / "chart.png")]) == 2  # a folder, not a JSON file
+    err = capsys.readouterr().err.strip()
+    assert "cannot be read" in err and "\n" not in err and not (tmp_path / "chart.png").exists()

@@ -1,5 +1,7 @@
 """Decode (stage 1 + stage 2) against the float64 reference of the same quantized cache."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -51,8 +53,27 @@ def test_presets_and_head_dims(device, build_module, preset, head_dim):
 ])
 def test_other_bit_widths_and_load_paths(device, build_module, fields, head_dim):
     config = config_mod.resolve_arch(config_mod.from_mapping(dict(fields, head_dim=head_dim), "<test>"))
-    assert layout.Layout.from_config(config).halfword_aligned == (head_dim != 72)
-    _check_decode(build_module(config), config, device, [1, 17, 40])
+    aligned = layout.Layout.from_config(config).halfword_aligned
+    assert aligned == (head_dim != 72)
+    module = build_module(config)
+    assert ("_load_u16(" in Path(module.__file__).read_text()) == aligned  # the templates follow the layout
+    _check_decode(module, config, device, [1, 17, 40])
+
+
+def test_byte_load_layouts_accept_a_cache_at_an_odd_address(device, build_module):
+    """head_dim 72 with 3-bit keys puts fields at odd bytes: byte loads, so any address works."""
+    config = config_mod.resolve_arch(config_mod.from_mapping(
+        dict(key_format="mse", key_bits=3, value_bits=4, head_dim=72), "<test>"))
+    module = build_module(config)
+    batch, cache = _filled_cache(module, config, [5, 33], 2, device)
+    odd = torch.zeros(cache.numel() + 1, dtype=torch.uint8, device=device)[1:].view(cache.shape)
+    odd.copy_(cache)
+    assert odd.data_ptr() % 2 == 1
+    query = torch.randn(2, 8, 72, generator=torch.Generator().manual_seed(1)).to(device)
+    kwargs = codebook_kwargs(module, config, device)
+    expected = module.decode(query, cache, batch.block_table, batch.seq_lens, **kwargs)
+    torch.testing.assert_close(module.decode(query, odd, batch.block_table, batch.seq_lens, **kwargs), expected,
+                               rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("group_size", [1, 4, 6, 8, 16])

@@ -126,6 +126,10 @@ def cache_page_half(c): return c.cache_like(c.num_blocks, c.page // 2, KV_HEADS,
 def cache_odd_address(c):  # fields are read 16 bits at a time: an odd start is refused
     flat = torch.zeros(c.cache.numel() + 1, dtype=torch.uint8, device=c.device)
     return flat[1:].view(c.cache.shape)
+def cache_odd_stride(c):  # slots 1 byte apart from each other's ends: stride(2) = slot + 1 is odd
+    flat = torch.zeros(c.cache.numel() + c.cache.shape[0] * c.page * KV_HEADS, dtype=torch.uint8, device=c.device)
+    shape = c.cache.shape
+    return flat.as_strided(shape, (shape[1] * shape[2] * (c.slot + 1), shape[2] * (c.slot + 1), c.slot + 1, 1))
 def cache_3d(c): return c.cache[0]
 def cache_5d(c): return c.cache[None]
 def table_transposed(c): return c.table.t().contiguous().t()  # same values, rows not contiguous
@@ -198,6 +202,7 @@ ROWS = [
     ("decode-cache_page_double", call("decode", kv_cache=cache_page_double), "kv_cache", ()),
     ("decode-cache_page_half", call("decode", kv_cache=cache_page_half), "kv_cache", ()),
     ("decode-cache_odd_address", call("decode", kv_cache=cache_odd_address), "even address", ()),
+    ("decode-cache_odd_stride", call("decode", kv_cache=cache_odd_stride), "even strides", ()),
     ("decode-cache_3d", call("decode", kv_cache=cache_3d), "kv_cache", ()),
     ("decode-cache_5d", call("decode", kv_cache=cache_5d), "kv_cache", ()),
     ("decode-cache_no_kv_heads", call("decode", kv_cache=lambda c: c.cache[:, :, :0]), "kv_cache", ()),
@@ -252,6 +257,7 @@ ROWS = [
     ("dequantize-cache_slot_minus_one", call("dequantize", kv_cache=cache_slot_minus_one), "kv_cache", ()),
     ("dequantize-cache_page_double", call("dequantize", kv_cache=cache_page_double), "kv_cache", ()),
     ("dequantize-cache_odd_address", call("dequantize", kv_cache=cache_odd_address), "even address", ()),
+    ("dequantize-cache_odd_stride", call("dequantize", kv_cache=cache_odd_stride), "even strides", ()),
     ("dequantize-cache_3d", call("dequantize", kv_cache=cache_3d), "kv_cache", ()),
     ("dequantize-block_table_transposed", call("dequantize", block_table=table_transposed), "block_table", ()),
     ("dequantize-seq_lens_strided", call("dequantize", seq_lens=lens_strided), "seq_lens", ()),

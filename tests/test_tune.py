@@ -21,6 +21,7 @@ from tqgen.errors import TqgenError
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CPU tuning runs under the interpreter")
 
+REPO = Path(__file__).resolve().parent.parent
 FINGERPRINT = {"device_name": "Test GPU", "compute_capability": "9.0", "sm_count": 4,
                "triton_version": triton.__version__, "torch_version": torch.__version__.split("+")[0]}
 SPACE = tune.SearchSpace(block_kv=(32, 64), num_warps=(1,), num_stages=(1,), num_splits=(1, 2))
@@ -64,6 +65,7 @@ def test_tune_writes_metadata_and_every_candidate(setup, tmp_path):
     document = json.loads(path.read_text())
     metadata = document["metadata"]
     assert metadata["config_hash"] == config.hash() and metadata["template_hash"] == render.template_hash()
+    assert metadata["kernel_hash"] == render.decode_kernel_hash(config) and metadata["schema_version"] == 2
     assert metadata["device_name"] == "Test GPU" and metadata["sm_count"] == 4 and metadata["date"]
     assert list(document["buckets"]) == ["g2_b1_t256", "g2_b2_t256"]
     for entry in document["buckets"].values():
@@ -102,7 +104,8 @@ def test_a_killed_run_keeps_the_buckets_it_finished(setup, tmp_path):
 
 @pytest.mark.parametrize("damage,phrase", [
     (lambda doc: doc["metadata"].update(device_name="Other GPU"), "tuned for another setup (device_name"),
-    (lambda doc: doc["metadata"].update(template_hash="0" * 64), "template_hash"),
+    (lambda doc: doc["metadata"].update(kernel_hash="0" * 64), "kernel_hash"),
+    (lambda doc: doc["metadata"].update(schema_version=1), "schema_version"),
     (None, "corrupt or truncated JSON"),
 ])
 def test_unusable_files_are_reported_ignored_and_never_overwritten(setup, tmp_path, damage, phrase, capsys):
@@ -212,10 +215,37 @@ def test_build_bakes_tuned_launches_and_decode_uses_them(setup, tmp_path, monkey
 
 def test_heuristic_uses_sm_count_batch_heads_and_context(setup):
     _, module = setup
-    device = torch.device("cpu")  # 4 "SMs" under the interpreter
-    assert module.decode_launch_defaults(1, 1, 4, 100_000, device) == (64, 2, 1, 64)
-    assert module.decode_launch_defaults(1, 1, 4, 128, device) == (64, 2, 1, 2)  # at most one split per 64 tokens
-    assert module.decode_launch_defaults(64, 8, 4, 100_000, device) == (32, 1, 1, 1)
+    launch = module.heuristic_launch
+    assert launch(1, 8, 4096, 132) == (64, 2, 1, 64)  # 8 programs: as many splits as allowed
+    assert launch(1, 8, 1024, 132) == (64, 2, 1, 16)  # at most one split per 64 tokens
+    assert launch(8, 8, 4096, 132) == (32, 1, 1, 16)  # 64 programs >= 132 / 4: one warp
+    assert launch(32, 8, 4096, 132) == (32, 1, 1, 4)  # at least 4
+    assert launch(32, 8, 65536, 132) == (32, 1, 1, 16)  # one split per 4096 tokens
+    assert launch(32, 8, 65536, 2000) == (64, 2, 1, 32)  # more SMs: more splits, and 2 warps
+    assert launch(1, 1, 100, 132) == (64, 2, 1, 2)
+
+
+def _timing_tables():
+    for path in sorted((REPO / "tuned" / "NVIDIA_H200").glob("tq_*.json")):
+        document = json.loads(path.read_text())
+        for key, entry in document["buckets"].items():
+            yield path.stem, bucket_bounds(key), entry
+
+
+def test_heuristic_is_close_to_the_measured_best_on_the_h200(setup):
+    """The heuristic's pick, looked up in the committed H200 timing tables (every candidate of every
+    bucket of every shipped config), against each bucket's best: the numbers README.md quotes."""
+    import math
+
+    _, module = setup
+    ratios = []
+    for name, bounds, entry in _timing_tables():
+        launch = module.heuristic_launch(bounds["batch"][1], 8, bounds["context"][1], 132)
+        candidate = tuned.candidate_id(dict(zip(tuned.LAUNCH_FIELDS, launch)))
+        assert candidate in entry["timings_us"], f"{name}: {candidate} was not measured"
+        ratios.append(entry["timings_us"][candidate] / entry["best_us"])
+    assert len(ratios) >= 76
+    assert math.exp(sum(map(math.log, ratios)) / len(ratios)) < 1.03 and max(ratios) < 1.15
 
 
 def test_a_bucket_without_valid_candidates_fails_alone(setup, tmp_path, monkeypatch):
@@ -235,19 +265,43 @@ def test_a_bucket_without_valid_candidates_fails_alone(setup, tmp_path, monkeypa
     assert list(json.loads(tuned.tuned_path(tmp_path, "Test GPU", config).read_text())["buckets"]) == ["g2_b1_t256"]
 
 
-REPO = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
 def test_committed_tuned_files_are_current(path):
-    """Every shipped config has H200 launches that a build still bakes (a template change needs a re-tune)."""
+    """Every shipped config has H200 launches that a build still bakes (a decode kernel change needs a re-tune)."""
     from tqgen import config as config_mod
 
     config = config_mod.resolve_arch(config_mod.load(path), (9, 0))
     warnings = []
-    baked = tuned.baked_launches(REPO / "tuned", config, render.template_hash(), warnings.append)
+    baked = tuned.baked_launches(REPO / "tuned", config, warnings.append)
     assert not warnings, warnings
     assert "NVIDIA H200" in baked, f"no tuned/NVIDIA_H200 file for {config.artifact_name()}"
     assert len(baked["NVIDIA H200"]["buckets"]) >= 4
     assert f"g4_b32_t{16384}" in baked["NVIDIA H200"]["buckets"]
+
+
+def test_only_decode_kernel_edits_invalidate_a_tuned_file(setup, tmp_path, monkeypatch):
+    """template_hash is informational: edits to store, dequantize or the heuristic keep the tuning;
+    an edit to anything the tuner timed (decode kernels, their helpers, the decode launcher) drops it."""
+    import shutil
+
+    config, _ = setup
+    path, _ = run_tune(setup, tmp_path / "tuned", buckets=BUCKETS[:1])
+    copy = tmp_path / "templates"
+    shutil.copytree(render.template_dir(), copy)
+    monkeypatch.setattr(render, "template_dir", lambda: copy)
+    warnings = []
+    for outside in ("store.py.jinja", "dequant.py.jinja", "launchers.py.jinja"):
+        with open(copy / outside, "a") as handle:
+            handle.write("# an edit outside the decode path\n")
+        assert "Test GPU" in tuned.baked_launches(tmp_path / "tuned", config, warnings.append) and not warnings
+    pristine = {name: (copy / name).read_text() for name in render.DECODE_KERNEL_TEMPLATES}
+    for inside in render.DECODE_KERNEL_TEMPLATES:
+        with open(copy / inside, "a") as handle:
+            handle.write("# an edit on the decode path\n")
+        assert tuned.baked_launches(tmp_path / "tuned", config, warnings.append) == {}, inside
+        assert "kernel_hash" in warnings[-1] and str(path) in warnings[-1]
+        (copy / inside).write_text(pristine[inside])
+    assert len(warnings) == len(render.DECODE_KERNEL_TEMPLATES)

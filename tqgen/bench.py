@@ -125,7 +125,7 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
 
     def call(**launch):
         return module.decode(query, cache, block_table, seq_lens, out=out, workspace=workspace, validate=False,
-                             **launch)
+                             max_seq_len=context, **launch)
 
     call()  # compile and build the per-device rotation/centroids outside any timing
     plain_ms = triton.testing.do_bench(call, return_mode="median")

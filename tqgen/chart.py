@@ -19,7 +19,8 @@ def require_matplotlib():
     try:
         import matplotlib
     except ImportError:
-        raise TqgenError("drawing the chart needs matplotlib: pip install 'tqgen[chart]'") from None
+        raise TqgenError("drawing the chart needs matplotlib: pip install matplotlib "
+                         "(or install tqgen with its [chart] extra)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -34,6 +35,8 @@ def read_bench_json(path) -> dict:
             row["config"], row["batch"], row["context"], row["gbps"]  # noqa: B018 (schema check)
     except FileNotFoundError:
         raise TqgenError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise TqgenError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise TqgenError(f"{path}: not a tqgen bench JSON file ({type(exc).__name__}: {exc})") from None
     if not rows:
@@ -72,6 +75,8 @@ def draw(payload: dict, path) -> Path:
     try:
         figure.savefig(partial, dpi=110)
         os.replace(partial, path)
+    except OSError as exc:
+        raise TqgenError(f"cannot write the chart to {path}: {exc.strerror or exc}") from None
     finally:
         plt.close(figure)
         partial.unlink(missing_ok=True)

@@ -51,6 +51,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(f"artifact    {config.artifact_name()}.py")
     print(f"config hash {config.hash()}")
     print(f"templates   {render.template_hash()}  ({render.template_dir()})")
+    print(f"decode      {render.decode_kernel_hash(config)}  (kernel hash: tuned launches are valid for it)")
     print(f"slot        {layout.slot_bytes} bytes per token and KV head "
           f"({layout.fp16_bytes_per_token / layout.slot_bytes:.2f}x smaller than fp16 K+V)")
     print(f"  {'field':28s}{'offset':>8s}{'bytes':>7s}")
@@ -61,10 +62,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _show_tuned(config, tuned_dir) -> None:
-    from . import emit, render, tuned
+    from . import emit, tuned
 
     root = Path(tuned_dir) if tuned_dir else emit.default_tuned_dir()
-    baked = tuned.baked_launches(root, config, render.template_hash(), lambda message: print(f"  {message}"))
+    baked = tuned.baked_launches(root, config, lambda message: print(f"  {message}"))
     current = None
     if _cuda_available():
         import torch
@@ -74,7 +75,8 @@ def _show_tuned(config, tuned_dir) -> None:
         print(f"tuned       none for {config.arch} under {root}; every shape uses the heuristic launch "
               f"(decode_launch_defaults)")
         stem = config.artifact_name().removesuffix(f"_{config.arch}")
-        others = sorted(root.glob(f"*/{stem}_sm*.json")) if root.is_dir() else []
+        others = sorted(p for p in root.glob(f"*/{stem}_sm*.json") if p.stem != config.artifact_name()) \
+            if root.is_dir() else []
         if others:
             print(f"            tuned for other archs (build with that arch, or on that GPU): "
                   f"{', '.join(str(p.relative_to(root)) for p in others)}")
@@ -128,6 +130,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from . import bench, chart, emit
 
     if args.chart:
+        if "decode" not in args.ops:
+            raise TqgenError("bench: --chart draws the decode rows; add decode to --ops")
         chart.require_matplotlib()  # fail before the GPU work, not after it
     configs = [emit.as_config(path) for path in args.configs]
     if args.batch or args.context:
@@ -167,7 +171,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                         "python": platform.python_version(), "q_heads": args.q_heads, "kv_heads": args.kv_heads}
     if args.json:
         bench.write_json(args.json, rows, ceiling, payload_metadata, op_rows)
-    if args.chart and rows:
+    if args.chart:
         chart.draw({"metadata": payload_metadata, "copy_ceiling_gbps": ceiling,
                     "rows": [dataclasses.asdict(row) for row in rows]}, args.chart)
         print(f"chart: {args.chart}")
@@ -215,11 +219,11 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     fingerprint = tuned.device_fingerprint()
     errors = []
     for config in (emit.as_config(c) for c in configs):
-        module = emit.load(config, args.cache_dir, tuned_dir=root)
         print(f"{config.name}: {len(buckets)} buckets x {len(space.candidates())} candidates on "
               f"{fingerprint['device_name']}", flush=True)
         started = time.monotonic()
         try:
+            module = emit.load(config, args.cache_dir, tuned_dir=root)
             path = tune.tune(config, module, buckets, space, root=root, fingerprint=fingerprint,
                              template_hash=render.template_hash(), num_kv_heads=args.kv_heads, force=args.force,
                              progress=lambda line: print("  " + line, flush=True))

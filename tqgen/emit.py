@@ -81,13 +81,12 @@ def build(config_or_path: ConfigLike, out_dir: str | os.PathLike | None = None,
           tuned_dir: str | os.PathLike | None = None) -> Path:
     """Render one config, with the tuned launches found for it, and write its module; returns its path."""
     from . import tuned as tuned_store
-    from .render import template_hash
 
     config = as_config(config_or_path)
     out = Path(out_dir) if out_dir is not None else default_cache_dir()
     path = out / f"{config.artifact_name()}.py"
     root = Path(tuned_dir) if tuned_dir is not None else default_tuned_dir()
-    source = render(config, tuned_store.baked_launches(root, config, template_hash(), _warn))
+    source = render(config, tuned_store.baked_launches(root, config, _warn))
     try:
         write_atomic(path, source.encode("utf-8"))
     except OSError as exc:

@@ -144,6 +144,29 @@ def _tidy(source: str) -> str:
     return re.sub(r"\n{4,}", "\n\n\n", text)
 
 
+# What decode's tuned launches depend on: the two decode kernels, the helpers they call and the
+# launcher that the tuner times (query preparation, grids, stage 2's launch).
+DECODE_KERNEL_TEMPLATES = ("common.py.jinja", "decode_stage1.py.jinja", "decode_stage2.py.jinja",
+                           "decode_launcher.py.jinja")
+
+
+def decode_kernel_hash(config: Config) -> str:
+    """SHA-256 of the rendered decode path for one config: stage 1, stage 2, the helpers
+    they share (common.py.jinja, which also holds store's and dequantize's helpers) and
+    the `decode` launcher.
+
+    Tuned launches are keyed on this rather than on `template_hash`: an edit to the
+    store or dequantize kernels, their launchers or the launch heuristic keeps the
+    tuning; any change to what the tuner timed, for this config and arch, drops it.
+    """
+    environment = _environment()
+    values = context(config)
+    digest = hashlib.sha256()
+    for name in DECODE_KERNEL_TEMPLATES:
+        digest.update(name.encode() + b"\0" + environment.get_template(name).render(**values).encode() + b"\0")
+    return digest.hexdigest()
+
+
 def render(config: Config, tuned: dict | None = None) -> str:
     """The complete source of the module for one config.
 

@@ -135,6 +135,8 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
         progress(f"[{index}/{total}] {key}: best {tuned.candidate_id(entry['best'])} {entry['best_us']:.1f} us "
                  f"({len(entry['timings_us'])} timed, {len(entry['rejected'])} rejected, {entry['seconds']:.0f} s)")
     if failed:
+        saved = f"the others were saved to {path}" if len(failed) < total else "nothing new was saved"
         raise TqgenError(f"{config.name}: {len(failed)} of {total} buckets have no valid candidate "
-                         f"({', '.join(failed)}); they keep the heuristic launch. The others were saved to {path}")
+                         f"({', '.join(failed)}); they keep their earlier entry, if any, else the heuristic "
+                         f"launch; {saved}")
     return path

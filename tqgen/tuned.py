@@ -4,12 +4,17 @@ One JSON file per (device, config). Its `metadata` block says what the
 timings are valid for; `buckets` maps a shape bucket to the winning launch
 parameters and the timing of every candidate::
 
-    {"metadata": {"schema_version": 1, "device_name": "NVIDIA H200", "compute_capability": "9.0",
+    {"metadata": {"schema_version": 2, "device_name": "NVIDIA H200", "compute_capability": "9.0",
                   "sm_count": 132, "triton_version": "3.6.0", "torch_version": "2.11.0",
-                  "config_hash": "...", "template_hash": "...", "tqgen_version": "0.1.0", "date": "..."},
+                  "config_hash": "...", "kernel_hash": "...", "template_hash": "...", "tqgen_version": "0.1.0",
+                  "date": "..."},
      "buckets": {"g4_b32_t8192": {"group_size": 4, "batch": [17, 32], "context": [4097, 8192],
                                   "best": {"block_kv": 32, "num_warps": 1, "num_stages": 1, "num_splits": 8},
                                   "timings_us": {"kv32_w1_st1_sp8": 652.1, ...}, "rejected": {...}}}}
+
+`kernel_hash` (render.decode_kernel_hash) identifies the decode kernels the
+timings were taken on; `template_hash` is recorded for information only, so
+edits elsewhere in the templates keep the tuning.
 
 Rules (FlashInfer's): a file whose metadata does not match the running setup,
 or that cannot be parsed, is reported with its path and ignored, and never
@@ -36,12 +41,12 @@ from .config import Config
 from .emit import write_atomic
 from .errors import TqgenError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: matched on kernel_hash instead of template_hash
 # Fields that must equal the running setup for a file's timings to be used.
 MATCHED_FIELDS = ("schema_version", "device_name", "compute_capability", "sm_count", "triton_version",
-                  "torch_version", "config_hash", "template_hash", "tqgen_version")
+                  "torch_version", "config_hash", "kernel_hash", "tqgen_version")
 # What a build (maybe on a machine without that GPU) can check: the kernels are the tuned ones.
-SOFTWARE_FIELDS = ("schema_version", "config_hash", "template_hash", "tqgen_version")
+SOFTWARE_FIELDS = ("schema_version", "config_hash", "kernel_hash", "tqgen_version")
 LAUNCH_FIELDS = ("block_kv", "num_warps", "num_stages", "num_splits")
 LOCK_TIMEOUT_S = 60.0
 
@@ -62,11 +67,14 @@ def device_fingerprint(device_index: int = 0) -> dict[str, Any]:
 
 
 def make_metadata(config: Config, fingerprint: dict[str, Any], template_hash: str) -> dict[str, Any]:
+    from .render import decode_kernel_hash
+
     return {
         "schema_version": SCHEMA_VERSION,
         **{key: fingerprint[key] for key in ("device_name", "compute_capability", "sm_count", "triton_version",
                                              "torch_version")},
         "config_hash": config.hash(),
+        "kernel_hash": decode_kernel_hash(config),
         "template_hash": template_hash,
         "tqgen_version": __version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -165,14 +173,16 @@ def save_bucket(path: Path, metadata: dict[str, Any], key: str, entry: dict[str,
         write_atomic(path, (json.dumps(document, indent=1) + "\n").encode("utf-8"))
 
 
-def baked_launches(root: Path, config: Config, template_hash: str, warn) -> dict[str, dict]:
+def baked_launches(root: Path, config: Config, warn) -> dict[str, dict]:
     """Every device's tuned launches for this config under `root`, as render() bakes them.
 
-    Files for other kernels (config, templates, tqgen version) or that are
-    corrupt are reported through `warn` and skipped.
+    Files for other kernels (config, decode kernel source, tqgen version) or that
+    are corrupt are reported through `warn` and skipped.
     """
-    expected = {"schema_version": SCHEMA_VERSION, "config_hash": config.hash(), "template_hash": template_hash,
-                "tqgen_version": __version__}
+    from .render import decode_kernel_hash
+
+    expected = {"schema_version": SCHEMA_VERSION, "config_hash": config.hash(),
+                "kernel_hash": decode_kernel_hash(config), "tqgen_version": __version__}
     baked: dict[str, dict] = {}
     if not root.is_dir():
         return baked
