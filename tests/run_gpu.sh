@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU run: every kernel test on the device, compute-sanitizer over every
-# kernel of every shipped config, then the benchmark table (printed last).
+# The GPU run: every kernel test on the device, compute-sanitizer (memcheck and
+# racecheck) over every kernel of every shipped config, then the benchmark
+# table, printed last (with a PNG chart when matplotlib is installed).
+# The full grid of BENCHMARKS.md: TQGEN_BENCH_ARGS="--batch 1 8 32 64 128 --context 1024 4096 16384 65536".
 # Usage (on a CUDA machine, from the repository root): bash tests/run_gpu.sh [OUT_DIR]
 # TQGEN_GPU_STEPS picks steps (default "tests sanitize bench").
 set -u
@@ -18,12 +20,16 @@ if [[ $steps == *sanitize* ]]; then
     timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/sanitize_kernels.py \
         > "$out/memcheck.log" 2>&1
     rc=$?; tail -4 "$out/memcheck.log"; echo "memcheck exit code: $rc"; (( rc )) && status=1
-    timeout 200 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/sanitize_kernels.py \
-        configs/k3v4-d128.yaml configs/k8v4-d128.yaml > "$out/racecheck.log" 2>&1
+    timeout 400 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/sanitize_kernels.py \
+        > "$out/racecheck.log" 2>&1
     rc=$?; tail -3 "$out/racecheck.log"; echo "racecheck exit code: $rc"; (( rc )) && status=1
 fi
 if [[ $steps == *bench* ]]; then
+    chart=()
+    python3 -c "import matplotlib" 2>/dev/null && chart=(--chart "$out/bench.png")
     python3 -m tqgen.cli bench configs/k8v4-d128.yaml configs/k4v4-d128.yaml configs/k3v4-d128.yaml \
-        configs/k3v3-d128.yaml --json "$out/bench.json" ${TQGEN_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | grep -v '^\['
+        configs/k3v3-d128.yaml --json "$out/bench.json" "${chart[@]}" ${TQGEN_BENCH_ARGS:-} 2>&1 \
+        | tee "$out/bench.log" | grep -v '^\['
+    rc=${PIPESTATUS[0]}; (( rc )) && status=1
 fi
 exit "$status"
