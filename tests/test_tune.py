@@ -55,7 +55,7 @@ def test_bucket_keys_round_up_to_powers_of_two():
     assert bucket_key(4, 33, 8192) == "g4_b64_t8192"
     assert bucket_key(6, 1, 1) == "g6_b1_t256"  # contexts below 256 share one bucket
     assert bucket_bounds("g4_b32_t8192") == {"group_size": 4, "batch": [17, 32], "context": [4097, 8192]}
-    assert len(default_buckets()) == 16 and (4, 128, 65536) in default_buckets()
+    assert len(default_buckets()) == 20 and (4, 64, 16384) in default_buckets()
 
 
 def test_tune_writes_metadata_and_every_candidate(setup, tmp_path):

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from .buckets import DEFAULT_BATCHES, DEFAULT_CONTEXTS, DEFAULT_GROUP_SIZES
 from .errors import TqgenError
 
 EXIT_USAGE = 2
@@ -283,12 +284,12 @@ def make_parser() -> argparse.ArgumentParser:
 
     tune = commands.add_parser("tune", help="pick decode launches per shape bucket on this GPU (writes tuned/)")
     tune.add_argument("configs", nargs="+", metavar="CONFIG")
-    tune.add_argument("--group-size", type=int, nargs="+", default=[4], metavar="G",
-                      help="query heads per KV head (default: 4)")
-    tune.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128], metavar="B",
-                      help="batch sizes, bucketed to powers of two (default: 1 8 32 128)")
-    tune.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 16384, 65536], metavar="T",
-                      help="context lengths, bucketed to powers of two (default: 1024 4096 16384 65536)")
+    tune.add_argument("--group-size", type=int, nargs="+", default=list(DEFAULT_GROUP_SIZES), metavar="G",
+                      help="query heads per KV head (default: %(default)s)")
+    tune.add_argument("--batch", type=int, nargs="+", default=list(DEFAULT_BATCHES), metavar="B",
+                      help="batch sizes, bucketed to powers of two (default: %(default)s)")
+    tune.add_argument("--context", type=int, nargs="+", default=list(DEFAULT_CONTEXTS), metavar="T",
+                      help="context lengths, bucketed to powers of two (default: %(default)s)")
     tune.add_argument("--block-kv", type=int, nargs="+", metavar="N", help="candidates (default: 32 64)")
     tune.add_argument("--warps", type=int, nargs="+", metavar="N", help="candidates (default: 1 2 4)")
     tune.add_argument("--stages", type=int, nargs="+", metavar="N", help="candidates (default: 1 2)")
