@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import PRESETS, codebook_kwargs, make_config
-from tqgen import config as config_mod, layout, reference
+from tqgen import config as config_mod, layout, reference, tune
 from tqgen.testing import paged_batch, relative_error
 from tqgen.verify import DECODE_TOLERANCE
 
@@ -91,11 +91,16 @@ def test_splits_and_page_sizes_on_ragged_batches(device, build_module, block_siz
                   num_splits=num_splits)
 
 
-@pytest.mark.parametrize("block_kv,num_warps", [(32, 4), (64, 2), (128, 8)])
-def test_launch_parameters_the_tuner_can_pick(device, build_module, block_kv, num_warps):
-    config = make_config("k3v3")
+TUNER_SPACE = tune.SearchSpace()  # every launch `tqgen tune` can pick by default (splits vary elsewhere)
+
+
+@pytest.mark.parametrize("preset", ["k3v3", "k8v4"])
+@pytest.mark.parametrize("block_kv,num_warps,num_stages", sorted(
+    {(c["block_kv"], c["num_warps"], c["num_stages"]) for c in TUNER_SPACE.candidates()} | {(128, 8, 2)}))
+def test_launch_parameters_the_tuner_can_pick(device, build_module, preset, block_kv, num_warps, num_stages):
+    config = make_config(preset)
     _check_decode(build_module(config), config, device, [5, 200], block_kv=block_kv, num_warps=num_warps,
-                  num_stages=2, num_splits=3)
+                  num_stages=num_stages, num_splits=3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
