@@ -72,7 +72,7 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
                                 validate=False, **launch, **codebook)
             error = relative_error(got, expected)
             if not (error <= limit and torch.isfinite(got).all()):
-                rejected[name] = f"relative error {error:.2e} against the reference (limit {limit:.0e})"
+                rejected[name] = f"relative error {error:.2e} against the reference (limit {limit:.2g})"
                 continue
 
             def call(launch=launch):

@@ -60,7 +60,7 @@ def run_checks(module: ModuleType, config: Config, *, device: str = "cuda", seed
     ref_keys, ref_values = reference.dequantize(config, cache, batch.block_table, batch.seq_lens, rotation, centroids)
     for name, got, want in (("dequantize keys", keys, ref_keys), ("dequantize values", values, ref_values)):
         err = relative_error(got, want)
-        record(name, err <= DEQUANT_TOLERANCE, f"relative error {err:.2e} (limit {DEQUANT_TOLERANCE:.0e})")
+        record(name, err <= DEQUANT_TOLERANCE, f"relative error {err:.2e} (limit {DEQUANT_TOLERANCE:.2g})")
 
     query = torch.randn(len(seq_lens), num_kv_heads * group_size, config.head_dim, generator=generator)
     for dtype in (torch.float16, torch.bfloat16):
@@ -72,5 +72,5 @@ def run_checks(module: ModuleType, config: Config, *, device: str = "cuda", seed
             limit = DECODE_TOLERANCE[dtype]
             finite = bool(torch.isfinite(got).all())
             record(f"decode {str(dtype).replace('torch.', '')} splits={num_splits}", finite and err <= limit,
-                   f"relative error {err:.2e} (limit {limit:.0e}){'' if finite else ', non-finite output'}")
+                   f"relative error {err:.2e} (limit {limit:.2g}){'' if finite else ', non-finite output'}")
     return results
