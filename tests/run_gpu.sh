@@ -25,11 +25,14 @@ if [[ $steps == *sanitize* ]]; then
     rc=$?; tail -3 "$out/racecheck.log"; echo "racecheck exit code: $rc"; (( rc )) && status=1
 fi
 if [[ $steps == *bench* ]]; then
-    chart=()
-    python3 -c "import matplotlib" 2>/dev/null && chart=(--chart "$out/bench.png")
+    bench_args=${TQGEN_BENCH_ARGS:-}
+    chart=""  # the chart draws decode rows: only when matplotlib is there and decode is timed
+    if python3 -c "import matplotlib" 2>/dev/null && { [[ $bench_args != *--ops* ]] || [[ $bench_args == *decode* ]]; }; then
+        chart="--chart $out/bench.png"
+    fi
     python3 -m tqgen.cli bench configs/k8v4-d128.yaml configs/k4v4-d128.yaml configs/k3v4-d128.yaml \
-        configs/k3v3-d128.yaml --json "$out/bench.json" "${chart[@]}" ${TQGEN_BENCH_ARGS:-} 2>&1 \
+        configs/k3v3-d128.yaml --json "$out/bench.json" $chart $bench_args 2>&1 \
         | tee "$out/bench.log" | grep -v '^\['
-    rc=${PIPESTATUS[0]}; (( rc )) && status=1
+    rc=${PIPESTATUS[0]}; echo "bench exit code: $rc"; (( rc )) && status=1
 fi
 exit "$status"
