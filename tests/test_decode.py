@@ -18,6 +18,14 @@ def _filled_cache(module, config, seq_lens, num_kv_heads, device, seed=0):
     return batch, cache
 
 
+def _decode_inputs(module, config, seq_lens, device, query_seed, cache_seed=0):
+    """A filled cache over 2 KV heads, a query of 8 heads, and the module's codebook arguments."""
+    batch, cache = _filled_cache(module, config, seq_lens, 2, device, seed=cache_seed)
+    generator = torch.Generator().manual_seed(query_seed)
+    query = torch.randn(len(seq_lens), 8, config.head_dim, generator=generator).to(device)
+    return batch, cache, query, codebook_kwargs(module, config, device)
+
+
 def _check_decode(module, config, device, seq_lens, num_kv_heads=2, group_size=4, dtype=torch.float32, seed=0,
                   **launch):
     batch, cache = _filled_cache(module, config, seq_lens, num_kv_heads, device, seed)
@@ -65,12 +73,10 @@ def test_byte_load_layouts_accept_a_cache_at_an_odd_address(device, build_module
     config = config_mod.resolve_arch(config_mod.from_mapping(
         dict(key_format="mse", key_bits=3, value_bits=4, head_dim=72), "<test>"))
     module = build_module(config)
-    batch, cache = _filled_cache(module, config, [5, 33], 2, device)
+    batch, cache, query, kwargs = _decode_inputs(module, config, [5, 33], device, query_seed=1)
     odd = torch.zeros(cache.numel() + 1, dtype=torch.uint8, device=device)[1:].view(cache.shape)
     odd.copy_(cache)
     assert odd.data_ptr() % 2 == 1
-    query = torch.randn(2, 8, 72, generator=torch.Generator().manual_seed(1)).to(device)
-    kwargs = codebook_kwargs(module, config, device)
     expected = module.decode(query, cache, batch.block_table, batch.seq_lens, **kwargs)
     torch.testing.assert_close(module.decode(query, odd, batch.block_table, batch.seq_lens, **kwargs), expected,
                                rtol=0, atol=0)
@@ -124,9 +130,7 @@ def test_seq_len_zero_gives_zeros(device, build_module):
 def test_one_split_and_many_splits_agree(device, build_module):
     config = make_config("k3v4")
     module = build_module(config)
-    batch, cache = _filled_cache(module, config, [100, 257], 2, device)
-    query = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(5)).to(device)
-    kwargs = codebook_kwargs(module, config, device)
+    batch, cache, query, kwargs = _decode_inputs(module, config, [100, 257], device, query_seed=5)
     one = module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=1, **kwargs)
     many = module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=7, **kwargs)
     # Not bit-equal: probabilities enter P @ V as fp16 relative to each split's own
@@ -138,10 +142,8 @@ def test_gqa_equals_heads_expanded(device, build_module):
     """Group size 4 over 2 KV heads == group size 1 over the KV heads repeated 4 times."""
     config = make_config("k4v4")
     module = build_module(config)
-    batch, cache = _filled_cache(module, config, [37, 90], 2, device)
+    batch, cache, query, kwargs = _decode_inputs(module, config, [37, 90], device, query_seed=6)
     expanded = cache.repeat_interleave(4, dim=2).contiguous()
-    query = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(6)).to(device)
-    kwargs = codebook_kwargs(module, config, device)
     grouped = module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=2, **kwargs)
     mha = module.decode(query, expanded, batch.block_table, batch.seq_lens, num_splits=2, **kwargs)
     assert relative_error(mha, grouped) < 1e-5
@@ -152,19 +154,15 @@ def test_page_size_one_equals_page_size_sixteen(device, build_module):
     outputs = []
     for config in (small, large):
         module = build_module(config)
-        batch, cache = _filled_cache(module, config, [45, 18], 2, device, seed=9)
-        query = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(9)).to(device)
-        outputs.append(module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=2,
-                                     **codebook_kwargs(module, config, device)))
+        batch, cache, query, kwargs = _decode_inputs(module, config, [45, 18], device, query_seed=9, cache_seed=9)
+        outputs.append(module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=2, **kwargs))
     assert relative_error(outputs[0], outputs[1]) < 1e-6
 
 
 def test_workspace_and_out_buffers(device, build_module):
     config = make_config("k3v4")
     module = build_module(config)
-    batch, cache = _filled_cache(module, config, [30, 64], 2, device)
-    query = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(4)).to(device)
-    kwargs = codebook_kwargs(module, config, device)
+    batch, cache, query, kwargs = _decode_inputs(module, config, [30, 64], device, query_seed=4)
     workspace = module.DecodeWorkspace(max_batch=4, num_q_heads=8, max_splits=8, device=device)
     out = torch.full((2, 8, 128), float("nan"), device=device)
     result = module.decode(query, cache, batch.block_table, batch.seq_lens, out=out, workspace=workspace,
