@@ -21,7 +21,8 @@ def _bench_file(tmp_path):
     ops = [bench.OpRow(config="k3v4-d128", op="store", shape="4096 tokens", graph_us=8.0, nbytes=8_000_000,
                        gbps=1000.0, ceiling_pct=23.8)]
     path = tmp_path / "bench.json"
-    bench.write_json(path, rows, 4200.0, {"device": "NVIDIA H200", "triton": "3.6.0", "date": "2026-11-29"}, ops)
+    bench.write_json(path, bench.payload(rows, 4200.0, {"device": "NVIDIA H200", "triton": "3.6.0",
+                                                         "date": "2026-11-29"}, ops))
     return path, rows, ops
 
 

@@ -90,15 +90,15 @@ def test_decode_captured_in_a_cuda_graph_replays_for_new_batch_contents(build_mo
 
 
 def test_the_tuner_on_the_gpu_and_the_baked_module_uses_its_winner(tmp_path):
-    from tqgen import emit, render, tune, tuned
+    from tqgen import emit, tune, tuned
 
     config = make_config("k3v4")
     module = emit.load(config, tmp_path / "plain", tmp_path / "no-tuned")
     space = tune.SearchSpace(block_kv=(32, 64), num_warps=(1, 2), num_stages=(1,), num_splits=(8, 32))
     fingerprint = tuned.device_fingerprint()
     path = tune.tune(config, module, [(4, 8, 2048)], space, root=tmp_path, fingerprint=fingerprint,
-                     template_hash=render.template_hash(), progress=lambda line: None)
-    entry = tuned.read(path, tuned.make_metadata(config, fingerprint, render.template_hash()))["g4_b8_t2048"]
+                     progress=lambda line: None)
+    entry = tuned.read(path, tuned.make_metadata(config, fingerprint))["g4_b8_t2048"]
     assert len(entry["timings_us"]) + len(entry["rejected"]) == 8 and not entry["rejected"]
     assert all(t > 0 for t in entry["timings_us"].values())
     baked = emit.load(config, tmp_path / "baked", tmp_path)

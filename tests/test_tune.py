@@ -45,7 +45,7 @@ def run_tune(setup, root, buckets=BUCKETS, timer=cpu_timer, progress=None, **kwa
     config, module = setup
     lines = []
     path = tune.tune(config, module, buckets, SPACE, root=root, fingerprint=FINGERPRINT,
-                     template_hash=render.template_hash(), timer=timer, num_kv_heads=1, device="cpu",
+                     timer=timer, num_kv_heads=1, device="cpu",
                      progress=progress or lines.append, **kwargs)
     return path, lines
 
@@ -156,7 +156,7 @@ def _save_many(path, metadata, worker):
 
 def test_concurrent_tuners_keep_each_others_buckets(setup, tmp_path):
     config, _ = setup
-    metadata = tuned.make_metadata(config, FINGERPRINT, render.template_hash())
+    metadata = tuned.make_metadata(config, FINGERPRINT)
     path = tuned.tuned_path(tmp_path, "Test GPU", config)
     context = multiprocessing.get_context("spawn")
     workers = [context.Process(target=_save_many, args=(path, metadata, w)) for w in (1, 2, 3)]
@@ -188,7 +188,7 @@ def test_two_tuner_processes_on_one_config_both_finish(tmp_path):
         worker.join(timeout=600)
         assert worker.exitcode == 0
     config = make_config("k3v4", head_dim=64)
-    metadata = tuned.make_metadata(config, FINGERPRINT, render.template_hash())
+    metadata = tuned.make_metadata(config, FINGERPRINT)
     buckets = tuned.read(tuned.tuned_path(tmp_path / "tuned", "Test GPU", config), metadata)
     assert sorted(buckets) == ["g2_b1_t256", "g2_b2_t256", "g2_b4_t512"]
     assert all(len(entry["timings_us"]) == len(SPACE.candidates()) for entry in buckets.values())

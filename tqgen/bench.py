@@ -19,15 +19,19 @@ read plus bytes written against the same ceiling.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import platform
+from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from .config import Config
+from .emit import write_atomic
+from .tuned import LAUNCH_FIELDS, candidate_id
 
 SEED_LAUNCH = dict(num_splits=32, block_kv=32, num_warps=1, num_stages=1)
-LAUNCH_FIELDS = ("block_kv", "num_warps", "num_stages", "num_splits")
 
 
 @dataclasses.dataclass
@@ -60,11 +64,6 @@ class OpRow:
     ceiling_pct: float
 
 
-def launch_name(launch) -> str:
-    block_kv, warps, stages, splits = launch
-    return f"kv{block_kv} w{warps} st{stages} sp{splits}"
-
-
 def copy_ceiling_gbps(device="cuda", nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
     import triton
@@ -73,7 +72,7 @@ def copy_ceiling_gbps(device="cuda", nbytes: int = 2 << 30) -> float:
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
     del src, dst
-    return 2 * nbytes / (ms * 1e-3) / 1e9
+    return _gbps(2 * nbytes, ms)
 
 
 def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_heads: int, device) -> torch.Tensor:
@@ -127,20 +126,21 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
         return module.decode(query, cache, block_table, seq_lens, out=out, workspace=workspace, validate=False,
                              max_seq_len=context, **launch)
 
+    def graph_ms(**launch) -> float:
+        call(**launch)  # compile outside the timing
+        return triton.testing.do_bench_cudagraph(lambda: call(**launch), return_mode="median")
+
     call()  # compile and build the per-device rotation/centroids outside any timing
     plain_ms = triton.testing.do_bench(call, return_mode="median")
-    graph_ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
-    call(**SEED_LAUNCH)
-    seed_ms = triton.testing.do_bench_cudagraph(lambda: call(**SEED_LAUNCH), return_mode="median")
+    default_ms = graph_ms()
+    seed_ms = graph_ms(**SEED_LAUNCH)
     group_size = num_q_heads // num_kv_heads
     used = tuple(module.decode_launch(batch, num_kv_heads, group_size, context, cache.device))
     heuristic = tuple(module.decode_launch_defaults(batch, num_kv_heads, group_size, context, cache.device))
     baked = module.TUNED_LAUNCHES.get(torch.cuda.get_device_name(cache.device), {}).get("buckets", {})
     tuned = baked.get(module.bucket_key(group_size, batch, context))
     source = "tuned" if tuned is not None and tuple(tuned) == used else "heuristic"
-    heuristic_launch = dict(zip(LAUNCH_FIELDS, heuristic))
-    call(**heuristic_launch)
-    heuristic_ms = triton.testing.do_bench_cudagraph(lambda: call(**heuristic_launch), return_mode="median")
+    heuristic_ms = graph_ms(**dict(zip(LAUNCH_FIELDS, heuristic)))
 
     keys = torch.randn(batch, num_kv_heads, context, config.head_dim, dtype=torch.float16, device=device)
     values = torch.randn_like(keys)
@@ -150,20 +150,24 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
     sdpa_ms = triton.testing.do_bench_cudagraph(sdpa, return_mode="median")
     del keys, values, cache
 
-    best_ms = min(plain_ms, graph_ms)
-    nbytes = batch * num_kv_heads * context * module.SLOT_BYTES
-    gbps = nbytes / (graph_ms * 1e-3) / 1e9
+    best_ms = min(plain_ms, default_ms)
+    gbps = _gbps(batch * num_kv_heads * context * module.SLOT_BYTES, default_ms)
     return BenchRow(
-        config=config.name, batch=batch, context=context, plain_us=plain_ms * 1e3, graph_us=graph_ms * 1e3,
+        config=config.name, batch=batch, context=context, plain_us=plain_ms * 1e3, graph_us=default_ms * 1e3,
         gbps=gbps, ceiling_pct=100 * gbps / ceiling_gbps, sdpa_us=sdpa_ms * 1e3,
-        speedup_vs_sdpa=sdpa_ms / best_ms, seed_launch_us=seed_ms * 1e3, speedup_vs_seed_launch=seed_ms / graph_ms,
-        launch=f"{source} {launch_name(used)}", heuristic_us=heuristic_ms * 1e3,
-        speedup_vs_heuristic=heuristic_ms / graph_ms,
+        speedup_vs_sdpa=sdpa_ms / best_ms, seed_launch_us=seed_ms * 1e3,
+        speedup_vs_seed_launch=seed_ms / default_ms,
+        launch=f"{source} {candidate_id(dict(zip(LAUNCH_FIELDS, used)))}", heuristic_us=heuristic_ms * 1e3,
+        speedup_vs_heuristic=heuristic_ms / default_ms,
     )
 
 
+def _gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
 def _op_row(config: Config, op: str, shape: str, graph_ms: float, nbytes: int, ceiling_gbps: float) -> OpRow:
-    gbps = nbytes / (graph_ms * 1e-3) / 1e9
+    gbps = _gbps(nbytes, graph_ms)
     return OpRow(config=config.name, op=op, shape=shape, graph_us=graph_ms * 1e3, nbytes=nbytes, gbps=gbps,
                  ceiling_pct=100 * gbps / ceiling_gbps)
 
@@ -232,8 +236,21 @@ def format_table(rows: list[BenchRow], ceiling_gbps: float, op_rows: list[OpRow]
     return "\n".join(lines)
 
 
-def write_json(path, rows: list[BenchRow], ceiling_gbps: float, metadata: dict, op_rows: list[OpRow] = ()) -> None:
-    payload = {"metadata": metadata, "copy_ceiling_gbps": ceiling_gbps, "rows": [dataclasses.asdict(r) for r in rows],
-               "op_rows": [dataclasses.asdict(r) for r in op_rows]}
-    with open(path, "w") as handle:
-        json.dump(payload, handle, indent=1)
+def run_metadata(num_q_heads: int, num_kv_heads: int) -> dict:
+    """What a bench run measured on: device, software versions, date, head counts."""
+    import triton
+
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.date.today().isoformat(), "python": platform.python_version(),
+            "q_heads": num_q_heads, "kv_heads": num_kv_heads}
+
+
+def payload(rows: list[BenchRow], ceiling_gbps: float, metadata: dict, op_rows: list[OpRow] = ()) -> dict:
+    """One run as the JSON document that `write_json` writes and `chart.draw` reads."""
+    return {"metadata": metadata, "copy_ceiling_gbps": ceiling_gbps, "rows": [dataclasses.asdict(r) for r in rows],
+            "op_rows": [dataclasses.asdict(r) for r in op_rows]}
+
+
+def write_json(path, document: dict) -> None:
+    """Atomically: a failed write leaves an earlier file intact."""
+    write_atomic(Path(path), json.dumps(document, indent=1).encode("utf-8"))

@@ -6,7 +6,6 @@ Errors a user can cause print one line, `tqgen: error: ...`, and exit 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -122,11 +121,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if not _cuda_available():
         raise TqgenError("bench needs a CUDA GPU (timings under the interpreter mean nothing)")
-    import datetime
-    import platform
-
     import torch
-    import triton
 
     from . import bench, chart, emit
 
@@ -167,14 +162,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                   flush=True)
         op_rows += measured
     print(bench.format_table(rows, ceiling, op_rows))
-    payload_metadata = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                        "triton": triton.__version__, "date": datetime.date.today().isoformat(),
-                        "python": platform.python_version(), "q_heads": args.q_heads, "kv_heads": args.kv_heads}
+    document = bench.payload(rows, ceiling, bench.run_metadata(args.q_heads, args.kv_heads), op_rows)
     if args.json:
-        bench.write_json(args.json, rows, ceiling, payload_metadata, op_rows)
+        bench.write_json(args.json, document)
     if args.chart:
-        chart.draw({"metadata": payload_metadata, "copy_ceiling_gbps": ceiling,
-                    "rows": [dataclasses.asdict(row) for row in rows]}, args.chart)
+        chart.draw(document, args.chart)
         print(f"chart: {args.chart}")
     return 0
 
@@ -205,7 +197,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from . import config as config_mod
 
     configs = [config_mod.load(path) for path in args.configs]
-    from . import emit, render, tune, tuned
+    from . import emit, tune, tuned
     from .buckets import default_buckets
 
     space = tune.SearchSpace(**{field: tuple(values) for field, values in (
@@ -226,7 +218,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         try:
             module = emit.load(config, args.cache_dir, tuned_dir=root)
             path = tune.tune(config, module, buckets, space, root=root, fingerprint=fingerprint,
-                             template_hash=render.template_hash(), num_kv_heads=args.kv_heads, force=args.force,
+                             num_kv_heads=args.kv_heads, force=args.force,
                              progress=lambda line: print("  " + line, flush=True))
         except TqgenError as exc:  # the next config is independent: tune it, fail at the end
             errors.append(str(exc))

@@ -102,11 +102,11 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
 
 
 def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]], space: SearchSpace, *,
-         root: Path, fingerprint: dict, template_hash: str, timer: Callable = cuda_graph_timer,
+         root: Path, fingerprint: dict, timer: Callable = cuda_graph_timer,
          num_kv_heads: int = 8, device="cuda", force: bool = False,
          progress: Callable[[str], None] = print) -> Path:
     """Tune the buckets not yet in the file (all with force=True); returns the tuned file's path."""
-    metadata = tuned.make_metadata(config, fingerprint, template_hash)
+    metadata = tuned.make_metadata(config, fingerprint)
     path = tuned.tuned_path(root, metadata["device_name"], config)
     try:
         done = tuned.read(path, metadata)

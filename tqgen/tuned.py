@@ -66,8 +66,8 @@ def device_fingerprint(device_index: int = 0) -> dict[str, Any]:
     }
 
 
-def make_metadata(config: Config, fingerprint: dict[str, Any], template_hash: str) -> dict[str, Any]:
-    from .render import decode_kernel_hash
+def make_metadata(config: Config, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    from .render import decode_kernel_hash, template_hash
 
     return {
         "schema_version": SCHEMA_VERSION,
@@ -75,7 +75,7 @@ def make_metadata(config: Config, fingerprint: dict[str, Any], template_hash: st
                                              "torch_version")},
         "config_hash": config.hash(),
         "kernel_hash": decode_kernel_hash(config),
-        "template_hash": template_hash,
+        "template_hash": template_hash(),
         "tqgen_version": __version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -181,15 +181,14 @@ def baked_launches(root: Path, config: Config, warn) -> dict[str, dict]:
     """
     from .render import decode_kernel_hash
 
+    baked: dict[str, dict] = {}
+    paths = sorted(p for p in root.glob(f"*/{config.artifact_name()}.json") if p.is_file()) if root.is_dir() else []
+    if not paths:
+        return baked  # no render of the decode kernels just to hash them
     expected = {"schema_version": SCHEMA_VERSION, "config_hash": config.hash(),
                 "kernel_hash": decode_kernel_hash(config), "tqgen_version": __version__}
-    baked: dict[str, dict] = {}
-    if not root.is_dir():
-        return baked
-    for device_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        path = device_dir / f"{config.artifact_name()}.json"
-        if not path.is_file():
-            continue
+    for path in paths:
+        device_dir = path.parent
         try:
             document = _read_document(path, expected, SOFTWARE_FIELDS)
         except Unusable as exc:
