@@ -62,3 +62,12 @@ def codebook_kwargs(module, config, device):
     """The rotation/centroids keyword arguments a module's launchers take (none for fp8)."""
     assert module.KEY_FORMAT == config.key_format
     return testing.codebook_kwargs(module, device)
+
+
+def stored_cache(module, config, seq_lens, device, num_kv_heads=2, seed=0):
+    """A random ragged batch (testing.paged_batch) stored into a fresh cache by the module: (batch, cache)."""
+    batch = testing.paged_batch(config, seq_lens, num_kv_heads, device=device,
+                                generator=torch.Generator().manual_seed(seed))
+    cache = module.make_cache(batch.num_blocks, num_kv_heads, device)
+    module.store(batch.key, batch.value, cache, batch.slot_mapping, **codebook_kwargs(module, config, device))
+    return batch, cache

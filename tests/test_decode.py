@@ -5,22 +5,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PRESETS, codebook_kwargs, make_config
+from conftest import PRESETS, codebook_kwargs, make_config, stored_cache
 from tqgen import config as config_mod, layout, reference, tune
-from tqgen.testing import paged_batch, relative_error
+from tqgen.testing import relative_error
 from tqgen.verify import DECODE_TOLERANCE
-
-
-def _filled_cache(module, config, seq_lens, num_kv_heads, device, seed=0):
-    batch = paged_batch(config, seq_lens, num_kv_heads, device=device, generator=torch.Generator().manual_seed(seed))
-    cache = module.make_cache(batch.num_blocks, num_kv_heads, device)
-    module.store(batch.key, batch.value, cache, batch.slot_mapping, **codebook_kwargs(module, config, device))
-    return batch, cache
 
 
 def _decode_inputs(module, config, seq_lens, device, query_seed, cache_seed=0):
     """A filled cache over 2 KV heads, a query of 8 heads, and the module's codebook arguments."""
-    batch, cache = _filled_cache(module, config, seq_lens, 2, device, seed=cache_seed)
+    batch, cache = stored_cache(module, config, seq_lens, device, seed=cache_seed)
     generator = torch.Generator().manual_seed(query_seed)
     query = torch.randn(len(seq_lens), 8, config.head_dim, generator=generator).to(device)
     return batch, cache, query, codebook_kwargs(module, config, device)
@@ -28,7 +21,7 @@ def _decode_inputs(module, config, seq_lens, device, query_seed, cache_seed=0):
 
 def _check_decode(module, config, device, seq_lens, num_kv_heads=2, group_size=4, dtype=torch.float32, seed=0,
                   **launch):
-    batch, cache = _filled_cache(module, config, seq_lens, num_kv_heads, device, seed)
+    batch, cache = stored_cache(module, config, seq_lens, device, num_kv_heads, seed)
     kwargs = codebook_kwargs(module, config, device)
     generator = torch.Generator().manual_seed(seed + 100)
     query = torch.randn(len(seq_lens), num_kv_heads * group_size, config.head_dim, generator=generator)
@@ -175,7 +168,7 @@ def test_workspace_and_out_buffers(device, build_module):
 def test_decode_rejects_bad_arguments(device, build_module):
     config = make_config("k3v4")
     module = build_module(config)
-    batch, cache = _filled_cache(module, config, [20, 5], 2, device)
+    batch, cache = stored_cache(module, config, [20, 5], device)
     query = torch.randn(2, 8, 128, device=device)
     table, lens = batch.block_table, batch.seq_lens
     cases = [

@@ -3,24 +3,17 @@
 import pytest
 import torch
 
-from conftest import PRESETS, codebook_kwargs, make_config
+from conftest import PRESETS, codebook_kwargs, make_config, stored_cache
 from tqgen import reference
-from tqgen.testing import paged_batch, relative_error
+from tqgen.testing import relative_error
 from tqgen.verify import DEQUANT_TOLERANCE
-
-
-def _stored(module, config, seq_lens, device, num_kv_heads=2, seed=0):
-    batch = paged_batch(config, seq_lens, num_kv_heads, device=device, generator=torch.Generator().manual_seed(seed))
-    cache = module.make_cache(batch.num_blocks, num_kv_heads, device)
-    module.store(batch.key, batch.value, cache, batch.slot_mapping, **codebook_kwargs(module, config, device))
-    return batch, cache
 
 
 @pytest.mark.parametrize("preset,head_dim", [(p, 128) for p in sorted(PRESETS)] + [("k3v4", 96), ("k8v4", 64), ("k3v4", 72)])
 def test_dequantize_matches_reference(device, build_module, preset, head_dim):
     config = make_config(preset, head_dim=head_dim)
     module = build_module(config)
-    batch, cache = _stored(module, config, [1, 15, 17, 70, 0], device)
+    batch, cache = stored_cache(module, config, [1, 15, 17, 70, 0], device)
     kwargs = codebook_kwargs(module, config, device)
     keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.float32, **kwargs)
     want_keys, want_values = reference.dequantize(config, cache, batch.block_table, batch.seq_lens,
@@ -37,7 +30,7 @@ def test_dequantized_keys_approximate_the_originals(device, build_module):
     """Quantization error, not only agreement with the reference: unrotation must be right."""
     config = make_config("k4v4")
     module = build_module(config)
-    batch, cache = _stored(module, config, [64], device, num_kv_heads=1)
+    batch, cache = stored_cache(module, config, [64], device, num_kv_heads=1)
     keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.float32)
     original_keys = batch.key.float().transpose(0, 1).unsqueeze(0)
     original_values = batch.value.float().transpose(0, 1).unsqueeze(0)
@@ -49,7 +42,7 @@ def test_dequantized_keys_approximate_the_originals(device, build_module):
 def test_half_precision_outputs(device, build_module, dtype):
     config = make_config("k3v3")
     module = build_module(config)
-    batch, cache = _stored(module, config, [33, 8], device)
+    batch, cache = stored_cache(module, config, [33, 8], device)
     keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=dtype, max_len=40)
     exact_keys, exact_values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.float32,
                                                  max_len=40)
@@ -64,7 +57,7 @@ def test_half_precision_outputs(device, build_module, dtype):
 def test_dequantize_rejects_bad_arguments(device, build_module):
     config = make_config("k3v4")
     module = build_module(config)
-    batch, cache = _stored(module, config, [20], device)
+    batch, cache = stored_cache(module, config, [20], device)
     with pytest.raises(module.LaunchError, match="dtype must be"):
         module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.int8)
     with pytest.raises(module.LaunchError, match="seq_lens has 2 entries"):
