@@ -109,10 +109,6 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         "D_PAD": _next_power_of_two(config.head_dim),
         # Groups of 8 codes per code plane in decode; >= 16 because tl.dot needs K >= 16.
         "GROUPS": max(16, _next_power_of_two(config.head_dim // 8)),
-        # Dequantize un-rotates keys this many output columns at a time: a whole fp32
-        # rotation tile fits shared memory up to 128 x 128 (run on an H200); 256 x 256
-        # needed 288 KB of 227 KB there, so larger head dims go 64 columns at a time.
-        "ROT_COLS": _next_power_of_two(config.head_dim) if config.head_dim <= 128 else 64,
         "PAGE": config.block_size,
         "halfword_loads": layout.halfword_aligned,
         "key_fp8": layout.key_fp8,
