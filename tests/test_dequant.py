@@ -66,7 +66,7 @@ def test_dequantize_rejects_bad_arguments(device, build_module):
         module.dequantize(cache, batch.block_table, batch.seq_lens, rotation=torch.eye(64, device=device))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_unrotation_in_chunks_equals_one_gemm(device, build_module, monkeypatch, dtype):
     """Keys are un-rotated by GEMMs over chunks of rows; chunk edges must not show."""
     config = make_config("k3v4", head_dim=96)  # random rotation: not its own transpose

@@ -197,7 +197,11 @@ def bench_store(module: ModuleType, config: Config, num_tokens: int, *, ceiling_
 
 def bench_dequantize(module: ModuleType, config: Config, batch: int, context: int, *, ceiling_gbps: float,
                      num_kv_heads: int = 8, device="cuda") -> OpRow:
-    """Dense fp16 K and V of full-length sequences; bytes = slots read + fp16 written."""
+    """Dense fp16 K and V of full-length sequences; bytes = slots read + fp16 written.
+
+    MSE keys also make an fp32 round trip for their un-rotation GEMMs; that traffic is
+    not counted, so the percentage is of the useful bytes.
+    """
     import triton
 
     from .testing import codebook_kwargs
