@@ -71,7 +71,7 @@ def test_unrotation_in_chunks_equals_one_gemm(device, build_module, monkeypatch,
     """Keys are un-rotated by GEMMs over chunks of rows; chunk edges must not show."""
     config = make_config("k3v4", head_dim=96)  # random rotation: not its own transpose
     module = build_module(config)
-    batch, cache = _stored(module, config, [37, 5], device)
+    batch, cache = stored_cache(module, config, [37, 5], device)
     whole = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=dtype)
     monkeypatch.setattr(module, "_UNROTATE_ROWS", 7)  # 2 x 2 x 37 rows: 22 chunks, the last partial
     chunked = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=dtype)
