@@ -1,6 +1,7 @@
 """Ablation of decode stage 1 on the GPU: variants of one generated module timed side by side.
 
     python3 tests/ablate_stage1.py [--config configs/k3v4-d128.yaml] [--module OLD.py ...]
+                                   [--variants base nokey ...] [--launch 1:32:1:8 ...]
 
 Each variant edits the rendered source of the config's module, imports it and
 times the whole decode call (CUDA-graph replay) at 32 x 8192 for a few
@@ -12,6 +13,8 @@ give wrong outputs on purpose: they measure what that work costs.
 - nokey:         no key dequantization or key dots (scores = a sum of the key words)
 - novalue:       no value dots (the accumulators sum the value words)
 - nokey_novalue: both; what remains is loads, addressing and the softmax
+- nocorr:        no norm correction (centroid squares neither summed nor applied)
+- sqdot:         centroid squares summed by a tl.dot of fp16 squares against ones, not by tl.sum
 - --module PATH: extra module files, e.g. rendered from an older commit with
                  `git stash; tqgen render CONFIG > old.py` (set arch: sm90 in the config)
 """
@@ -30,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tqgen import bench, emit, render  # noqa: E402
 
 LAUNCHES = [dict(num_warps=1, block_kv=32, num_splits=8), dict(num_warps=2, block_kv=64, num_splits=16)]
-GATHER = re.compile(r"tl\.load\(centroids_ptr \+ (\(\(key_word >> \d+\) & 7\))\)")
+GATHER = re.compile(r"tl\.load\(centroids_ptr \+ \((.*)\)\)$", re.M)  # both layouts' code expressions
 SELECT_HELPER = '''
 @triton.jit
 def _centroid_select(code, c0, c1, c2, c3, c4, c5, c6, c7):
@@ -47,8 +50,22 @@ def variant(source: str, name: str) -> str:
         edited = edited.replace("@triton.jit\ndef tq_decode_stage1(", SELECT_HELPER + "\n@triton.jit\ndef tq_decode_stage1(")
         loads = "; ".join(f"centroid{i} = tl.load(centroids_ptr + {i})" for i in range(8))
         edited = edited.replace("    table_row_ptr = block_table_ptr", f"    {loads}\n    table_row_ptr = block_table_ptr", 1)
-        edited = GATHER.sub(lambda m: f"_centroid_select({m.group(1)}, " + ", ".join(f"centroid{i}" for i in range(8)) + ")",
+        edited = GATHER.sub(lambda m: f"_centroid_select(({m.group(1)}), " + ", ".join(f"centroid{i}" for i in range(8)) + ")",
                             edited)
+    if name == "sqdot":
+        groups = re.search(r"query0 = tl\.load\(.*\n", edited) and re.search(r"group = tl\.arange\(0, (\d+)\)", edited).group(1)
+        edited = edited.replace("centroid_sq = tl.zeros([BLOCK_KV], tl.float32)",
+                                "centroid_sq = tl.zeros([BLOCK_H, BLOCK_KV], tl.float32)")
+        edited = re.sub(r"centroid_sq \+= tl\.sum\(centroid \* centroid, axis=1\)\n( *)scores = tl\.dot\((query\d), "
+                        r"tl\.trans\(centroid\.to\(tl\.float16\)\), scores\)",
+                        r"centroid16 = centroid.to(tl.float16)\n\1centroid_sq = tl.dot(ones_rows, tl.trans(centroid16 * centroid16), "
+                        r"centroid_sq)\n\1scores = tl.dot(\2, tl.trans(centroid16), scores)", edited)
+        edited = edited.replace("key_norm / tl.sqrt(centroid_sq + 1e-16)", "key_norm / tl.sqrt(tl.max(centroid_sq, axis=0) + 1e-16)")
+        edited = edited.replace("    table_row_ptr = block_table_ptr",
+                                f"    ones_rows = tl.full([BLOCK_H, {groups}], 1.0, tl.float16)\n    table_row_ptr = block_table_ptr", 1)
+    if name == "nocorr":
+        edited = re.sub(r"\n *centroid_sq (\+)?= .*", "", edited)
+        edited = edited.replace("key_norm = key_norm / tl.sqrt(centroid_sq + 1e-16)", "pass")
     if "nokey" in name:
         edited = re.sub(r"key_word = _load_key_words\((.*)\)\n(?:.*\n)*?( *key_norm = _load_fp16)",
                         lambda m: f"scores = tl.zeros([BLOCK_H, BLOCK_KV], tl.float32) + "
@@ -78,7 +95,11 @@ def main() -> None:
     parser.add_argument("--config", default="configs/k3v4-d128.yaml")
     parser.add_argument("--module", nargs="*", default=[], help="extra module files to time")
     parser.add_argument("--variants", nargs="+", default=["base", "select", "nokey", "novalue", "nokey_novalue"])
+    parser.add_argument("--launch", nargs="+", default=[],
+                        help="launches as warps:block_kv:stages:splits (default: kv32 w1 sp8, kv64 w2 sp16, 1 stage)")
     args = parser.parse_args()
+    launches = [dict(zip(("num_warps", "block_kv", "num_stages", "num_splits"), map(int, text.split(":"))))
+                for text in args.launch] or [dict(launch, num_stages=1) for launch in LAUNCHES]
     config = emit.as_config(args.config)
     source = render.render(config)
     batch, context = 32, 8192
@@ -90,21 +111,21 @@ def main() -> None:
                 for i, path in enumerate(args.module)]
     problem = bench.random_problem(modules[0][1], config, batch, context, 32, 8, "cuda")
     inputs = [problem[k] for k in ("query", "cache", "block_table", "seq_lens")]
-    reference = modules[0][1].decode(*inputs, **LAUNCHES[0], num_stages=1)
+    reference = modules[0][1].decode(*inputs, **launches[0])
     out = torch.empty_like(inputs[0])
     nbytes = batch * 8 * context * modules[0][1].SLOT_BYTES
     print("| variant | launch | us | % of ceiling | max error vs base |\n|---|---|---|---|---|")
     for name, module in modules:
         workspace = module.DecodeWorkspace(batch, 32, 64, "cuda")
-        got = module.decode(*inputs, **LAUNCHES[0], num_stages=1)
+        got = module.decode(*inputs, **launches[0])
         error = ((got.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
-        for launch in LAUNCHES:
+        for launch in launches:
             def call(launch=launch):
-                module.decode(*inputs, out=out, workspace=workspace, validate=False, num_stages=1, **launch)
+                module.decode(*inputs, out=out, workspace=workspace, validate=False, **launch)
             call()
             ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
             percent = 100 * nbytes / (ms * 1e-3) / 1e9 / ceiling
-            label = f"kv{launch['block_kv']} w{launch['num_warps']} sp{launch['num_splits']}"
+            label = f"kv{launch['block_kv']} w{launch['num_warps']} st{launch['num_stages']} sp{launch['num_splits']}"
             print(f"| {name} | {label} | {ms * 1e3:.1f} | {percent:.1f} | {error:.1e} |", flush=True)
 
 

@@ -118,11 +118,12 @@ def test_load_applies_defaults_and_names_the_config_after_the_file(tmp_path):
 
 def test_explicit_values_override_defaults():
     config = from_mapping({**BASE, "key_bits": 2, "block_size": 64, "norm_correction": False, "rotation": "random",
-                           "rotation_seed": 7, "arch": "sm89", "output_dtype": "bfloat16", "name": "custom"})
+                           "rotation_seed": 7, "arch": "sm89", "output_dtype": "bfloat16", "cache_layout": "planes",
+                           "name": "custom"})
     assert dataclasses.asdict(config) == {
         "key_format": "mse", "key_bits": 2, "value_bits": 4, "head_dim": 128, "block_size": 64,
         "norm_correction": False, "rotation": "random", "rotation_seed": 7, "arch": "sm89",
-        "output_dtype": "bfloat16", "name": "custom",
+        "output_dtype": "bfloat16", "cache_layout": "planes", "name": "custom",
     }
 
 

@@ -29,6 +29,8 @@ import torch
 
 from .config import Config
 from .emit import write_atomic
+from .layout import Layout
+from .reference import slots_to_pages
 from .tuned import LAUNCH_FIELDS, candidate_id
 
 SEED_LAUNCH = dict(num_splits=32, block_kv=32, num_warps=1, num_stages=1)
@@ -76,7 +78,7 @@ def copy_ceiling_gbps(device="cuda", nbytes: int = 2 << 30) -> float:
 
 
 def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_heads: int, device) -> torch.Tensor:
-    """Random slot bytes with plausible fields: fp16 norm/scale/zero in range, fp8 keys of N(0, 1) keys.
+    """A random cache in the config's layout, with plausible fields: fp16 norm/scale/zero in range, fp8 keys of N(0, 1) keys.
 
     Random fp8 bytes would give keys up to 240 and softmax weights so peaked that
     fp16 rounding of the query alone exceeds the tuner's tolerance.
@@ -97,7 +99,8 @@ def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_hea
     else:
         keys = torch.randn(*cache.shape[:3], config.head_dim, device=device)
         cache[..., : config.head_dim] = keys.to(torch.float8_e4m3fn).view(torch.uint8)
-    return cache
+    layout = Layout.from_config(config)
+    return slots_to_pages(layout, cache) if layout.planes else cache
 
 
 def random_problem(module: ModuleType, config: Config, batch: int, context: int, num_q_heads: int,

@@ -57,6 +57,15 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(f"  {'field':28s}{'offset':>8s}{'bytes':>7s}")
     for name, offset, size in layout.fields():
         print(f"  {name:28s}{offset:8d}{size:7d}")
+    if layout.planes:
+        print(f"page        {layout.page_bytes} bytes per page of {layout.page_size} tokens and KV head "
+              f"(cache_layout planes: one plane per record)")
+        print(f"  {'record':28s}{'plane at':>8s}{'bytes per token':>17s}")
+        for name, offset, size in layout.records():
+            print(f"  {name:28s}{layout.plane_offset(offset):8d}{size:17d}")
+        if layout.split_high_bits(layout.key_bits) or layout.split_high_bits(layout.value_bits):
+            print(f"  3-bit codes: the 2-bit low stream, then the 1-bit high stream from record byte "
+                  f"{layout.high_bits_offset}")
     _show_tuned(config, args.tuned_dir)
     return 0
 

@@ -35,6 +35,10 @@ ROTATIONS = ("hadamard", "random")
 OUTPUT_DTYPES = ("auto", "float16", "bfloat16", "float32")
 HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 64, 256, 8
 BLOCK_SIZES = tuple(2**i for i in range(0, 10))  # 1 .. 512 tokens per page
+# "slots": format.md's layout, byte-compatible with the seed (the default).
+# "planes": tqgen's own page-planar layout, same bytes per token, aligned for wide loads (layout.py).
+CACHE_LAYOUTS = ("slots", "planes")
+PLANES_MIN_BLOCK_SIZE = 8  # every plane of a page then starts 16-byte aligned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,7 @@ class Config:
     rotation_seed: int = 0
     arch: str = "auto"
     output_dtype: str = "auto"
+    cache_layout: str = "slots"
     name: str = ""
 
     @property
@@ -69,9 +74,15 @@ class Config:
         return dataclasses.asdict(self)
 
     def canonical_json(self) -> str:
-        """Sorted JSON of every resolved field except the cosmetic `name`."""
+        """Sorted JSON of every resolved field except the cosmetic `name`.
+
+        The default cache_layout ("slots") is left out, so configs written before
+        that field existed keep their hash (and their tuned launches).
+        """
         fields = self.to_dict()
         fields.pop("name")
+        if fields["cache_layout"] == "slots":
+            fields.pop("cache_layout")
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     def hash(self) -> str:
@@ -86,6 +97,8 @@ class Config:
             parts.append(self.rotation if self.rotation == "hadamard" else f"random{self.rotation_seed}")
         if self.output_dtype != "auto":
             parts.append({"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[self.output_dtype])
+        if self.cache_layout != "slots":
+            parts.append(self.cache_layout)
         parts.append(self.arch)
         return "tq_" + "_".join(parts)
 
@@ -103,6 +116,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "rotation_seed": ((int,), "an integer from 0 to 2**63-1"),
     "arch": ((str,), ", ".join(ARCHES)),
     "output_dtype": ((str,), ", ".join(OUTPUT_DTYPES)),
+    "cache_layout": ((str,), " or ".join(CACHE_LAYOUTS)),
 }
 _REQUIRED = ("key_format", "value_bits", "head_dim")
 
@@ -175,6 +189,12 @@ def from_mapping(data: Any, source: str = "<config>") -> Config:
     seed = data.get("rotation_seed", 0)
     if not 0 <= seed < 2**63:
         refuse("rotation_seed")
+    cache_layout = data.get("cache_layout", "slots")
+    if cache_layout not in CACHE_LAYOUTS:
+        refuse("cache_layout")
+    if cache_layout == "planes" and block_size < PLANES_MIN_BLOCK_SIZE:
+        raise ConfigError(source, "block_size", f"got {block_size} with cache_layout 'planes', which needs pages "
+                          f"of at least {PLANES_MIN_BLOCK_SIZE} tokens (so that every plane is 16-byte aligned)")
 
     power_of_two = head_dim & (head_dim - 1) == 0
     if key_format == "fp8":
@@ -201,11 +221,14 @@ def from_mapping(data: Any, source: str = "<config>") -> Config:
             raise ConfigError(source, "rotation_seed", f"got {_shown(seed)} with rotation 'hadamard', which has "
                               "no seed; remove it or use rotation 'random'")
 
+    if cache_layout == "planes" and 3 in (key_bits, value_bits) and head_dim % 16:
+        raise ConfigError(source, "head_dim", f"got {head_dim} with 3-bit codes and cache_layout 'planes', which "
+                          "needs a multiple of 16 there (so that every 3-bit record has an even size)")
     return Config(
         key_format=key_format, key_bits=key_bits, value_bits=value_bits, head_dim=head_dim,
         block_size=block_size, norm_correction=norm_correction, rotation=rotation,
         rotation_seed=seed if rotation == "random" else 0, arch=arch, output_dtype=output_dtype,
-        name=data.get("name") or f"k{key_bits}v{value_bits}-d{head_dim}",
+        cache_layout=cache_layout, name=data.get("name") or f"k{key_bits}v{value_bits}-d{head_dim}",
     )
 
 

@@ -9,6 +9,21 @@ Codes are packed little-endian, least significant bit first: element i of a
 b-bit field occupies bits i*b .. i*b+b-1 of the field read as one bit stream.
 Every consumer (templates, reference, store, tests, `tqgen show`) reads its
 offsets from `Layout`; nothing else computes them.
+
+Two cache layouts hold those slots (config `cache_layout`):
+
+- "slots" (default, format.md, the seed's): uint8 [num_blocks, page, num_kv_heads,
+  slot_bytes]; each token's slot is contiguous.
+- "planes" (tqgen's own): uint8 [num_blocks, num_kv_heads, page * slot_bytes]. One
+  KV head's page is the page's slots transposed record by record: a *record* is a
+  field as one token stores it (key codes, key norm, value codes, value scale+zero
+  as 4 bytes, padding), and the record starting at slot byte `o` becomes a plane at
+  page byte `page * o` holding the page's tokens in order, `record_bytes` apart.
+  Same bytes per token; every plane is 16-byte aligned (pages of >= 8 tokens), so
+  kernels read a token's codes with 16-byte loads and the scale and zero with one
+  32-bit load. 3-bit codes are the one change inside a record: they are stored as
+  the 2-bit stream of each code's low bits followed by the 1-bit stream of its high
+  bits (same size), so that groups of 8 codes are 16- and 8-bit words.
 """
 
 from __future__ import annotations
@@ -29,10 +44,17 @@ class Layout:
     key_format: str  # "mse" or "fp8"
     key_bits: int  # bits per key element (8 for fp8)
     value_bits: int
+    page_size: int = 16  # tokens per cache block
+    cache_layout: str = "slots"  # or "planes" (see the module docstring)
 
     @classmethod
     def from_config(cls, config: Config) -> "Layout":
-        return cls(config.head_dim, config.key_format, config.key_bits, config.value_bits)
+        return cls(config.head_dim, config.key_format, config.key_bits, config.value_bits,
+                   config.block_size, config.cache_layout)
+
+    @property
+    def planes(self) -> bool:
+        return self.cache_layout == "planes"
 
     # --- keys -------------------------------------------------------------
     @property
@@ -100,6 +122,36 @@ class Layout:
         """What the same token and head costs in a plain fp16 K/V cache."""
         return 2 * 2 * self.head_dim
 
+    # --- the page-planar layout ("planes") --------------------------------
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one KV head's page: the last dim of a "planes" cache."""
+        return self.page_size * self.slot_bytes
+
+    def records(self) -> list[tuple[str, int, int]]:
+        """(name, slot offset, bytes) of each record: what "planes" stores per token and plane."""
+        rows = [("key codes", self.key_code_offset, self.key_code_bytes)]
+        if not self.key_fp8:
+            rows.append(("key norm", self.key_norm_offset, 2))
+        rows.append(("value codes", self.value_code_offset, self.value_code_bytes))
+        rows.append(("value scale and zero", self.value_scale_offset, 4))
+        if self.slot_bytes != self.used_bytes:
+            rows.append(("padding", self.used_bytes, self.slot_bytes - self.used_bytes))
+        return rows
+
+    def plane_offset(self, slot_offset: int) -> int:
+        """Page byte where the plane of the record starting at `slot_offset` begins."""
+        return self.page_size * slot_offset
+
+    def split_high_bits(self, bits: int) -> bool:
+        """3-bit codes in "planes" are a 2-bit low stream then a 1-bit high stream."""
+        return self.planes and bits == 3
+
+    @property
+    def high_bits_offset(self) -> int:
+        """Byte within a split 3-bit record where the high-bit stream starts."""
+        return packed_bytes(self.head_dim, 2)
+
     def fields(self) -> list[tuple[str, int, int]]:
         """(name, offset, size) of every field in slot order, padding included."""
         rows = []
@@ -134,4 +186,17 @@ class Layout:
             VALUE_ZERO_OFFSET=self.value_zero_offset,
             SLOT_BYTES=self.slot_bytes,
         )
+        if self.planes:
+            out.update(
+                PAGE_BYTES=self.page_bytes,
+                KEY_CODE_PLANE=self.plane_offset(self.key_code_offset),
+                VALUE_CODE_PLANE=self.plane_offset(self.value_code_offset),
+                VALUE_SCALE_PLANE=self.plane_offset(self.value_scale_offset),  # scale and zero, 4 bytes per token
+            )
+            if not self.key_fp8:
+                out["KEY_NORM_PLANE"] = self.plane_offset(self.key_norm_offset)
+            if self.split_high_bits(self.key_bits):
+                out["KEY_HIGH_BITS_AT"] = self.high_bits_offset
+            if self.split_high_bits(self.value_bits):
+                out["VALUE_HIGH_BITS_AT"] = self.high_bits_offset
         return out

@@ -70,6 +70,55 @@ def fp8_e4m3fn_bytes(x: torch.Tensor) -> torch.Tensor:
     return clamped.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
+# --- the two cache layouts -----------------------------------------------------
+def _record_to_planes(record: torch.Tensor, layout: Layout, name: str, bits: int) -> torch.Tensor:
+    """A code record's slot bytes -> its "planes" bytes (3-bit codes: low-bit stream, then high bits)."""
+    if not (name.endswith("codes") and layout.split_high_bits(bits)):
+        return record
+    codes = unpack_codes(record, 3, layout.head_dim)
+    return torch.cat([pack_codes(codes & 3, 2), pack_codes(codes >> 2, 1)], dim=-1)
+
+
+def _record_from_planes(record: torch.Tensor, layout: Layout, name: str, bits: int) -> torch.Tensor:
+    if not (name.endswith("codes") and layout.split_high_bits(bits)):
+        return record
+    low = unpack_codes(record[..., : layout.high_bits_offset], 2, layout.head_dim)
+    high = unpack_codes(record[..., layout.high_bits_offset:], 1, layout.head_dim)
+    return pack_codes(low | (high << 2), 3)
+
+
+def _record_bits(layout: Layout, name: str) -> int:
+    return layout.key_bits if name.startswith("key") else layout.value_bits
+
+
+def slots_to_pages(layout: Layout, slots: torch.Tensor) -> torch.Tensor:
+    """A "slots" cache [blocks, page, heads, slot_bytes] -> the same data as "planes" [blocks, heads, page_bytes]."""
+    blocks, page, heads, _ = slots.shape
+    planes = []
+    for name, start, size in layout.records():
+        record = _record_to_planes(slots[..., start: start + size], layout, name, _record_bits(layout, name))
+        planes.append(record.permute(0, 2, 1, 3).reshape(blocks, heads, page * size))
+    return torch.cat(planes, dim=-1)
+
+
+def pages_to_slots(layout: Layout, pages: torch.Tensor) -> torch.Tensor:
+    """Inverse of `slots_to_pages`."""
+    blocks, heads, _ = pages.shape
+    page = layout.page_size
+    records = []
+    for name, start, size in layout.records():
+        plane = pages[..., layout.plane_offset(start): layout.plane_offset(start) + page * size]
+        record = plane.reshape(blocks, heads, page, size).permute(0, 2, 1, 3)
+        records.append(_record_from_planes(record, layout, name, _record_bits(layout, name)))
+    return torch.cat(records, dim=-1)
+
+
+def as_slots(config: Config, kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache in the "slots" layout (a copy for a "planes" cache)."""
+    layout = Layout.from_config(config)
+    return pages_to_slots(layout, kv_cache) if layout.planes else kv_cache
+
+
 # --- encoding one slot -------------------------------------------------------
 def encode_slots(config: Config, key: torch.Tensor, value: torch.Tensor,
                  rotation: torch.Tensor | None, centroids: torch.Tensor | None) -> torch.Tensor:
@@ -106,10 +155,14 @@ def store(config: Config, key: torch.Tensor, value: torch.Tensor, kv_cache: torc
           centroids: torch.Tensor | None = None) -> None:
     """Write key/value [N, Hkv, D] into kv_cache at slot_mapping [N]; negative slots are skipped."""
     slots = encode_slots(config, key, value, rotation, centroids)  # [N, Hkv, slot_bytes]
-    page = kv_cache.shape[1]
+    layout = Layout.from_config(config)
+    cache = as_slots(config, kv_cache)
+    page = layout.page_size
     keep = slot_mapping >= 0
     mapping = slot_mapping[keep].to(torch.int64)
-    kv_cache[mapping // page, mapping % page] = slots[keep]
+    cache[mapping // page, mapping % page] = slots[keep]
+    if layout.planes:
+        kv_cache.copy_(slots_to_pages(layout, cache))
 
 
 # --- decoding ----------------------------------------------------------------
@@ -148,6 +201,7 @@ def dequantize(config: Config, kv_cache: torch.Tensor, block_table: torch.Tensor
                rotation: torch.Tensor | None = None, centroids: torch.Tensor | None = None,
                max_len: int | None = None, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V [B, Hkv, max_len, D]; positions at or past seq_len are zero."""
+    kv_cache = as_slots(config, kv_cache)
     batch = block_table.shape[0]
     hkv, d = kv_cache.shape[2], config.head_dim
     lens = [int(x) for x in seq_lens.tolist()]
@@ -169,6 +223,7 @@ def decode(config: Config, query: torch.Tensor, kv_cache: torch.Tensor, block_ta
            seq_lens: torch.Tensor, rotation: torch.Tensor | None = None, centroids: torch.Tensor | None = None,
            scale: float | None = None, dtype=torch.float64) -> torch.Tensor:
     """Decode attention [B, Hq, D] for one query token per sequence; seq_len 0 gives zeros."""
+    kv_cache = as_slots(config, kv_cache)
     batch, hq, d = query.shape
     hkv = kv_cache.shape[2]
     group = hq // hkv

@@ -8,6 +8,7 @@ inputs, byte-identical output: nothing machine- or time-dependent enters.
 from __future__ import annotations
 
 import hashlib
+import math
 import inspect
 import json
 import re
@@ -110,6 +111,17 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         # Groups of 8 codes per code plane in decode; >= 16 because tl.dot needs K >= 16.
         "GROUPS": max(16, _next_power_of_two(config.head_dim // 8)),
         "PAGE": config.block_size,
+        "planes": layout.planes,
+        "layout_records": layout.records(),
+        "split_3bit": layout.split_high_bits(config.key_bits) or layout.split_high_bits(config.value_bits),
+        # Where the KV-head dim of the cache tensor is, and the strides its kernels take.
+        "HEADS_DIM": 1 if layout.planes else 2,
+        # Alignment of byte offsets: gcd(16, *sizes), for the kernels' tl.multiple_of hints.
+        "row_alignment": lambda *sizes: math.gcd(16, *sizes),
+        "cache_strides": ("kv_cache.stride(0), kv_cache.stride(1)" if layout.planes
+                          else "kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2)"),
+        "cache_shape": (f"[num_blocks, num_kv_heads, {layout.page_bytes}] (page-planar)" if layout.planes
+                        else f"[num_blocks, {config.block_size}, num_kv_heads, {layout.slot_bytes}]"),
         "halfword_loads": layout.halfword_aligned,
         "key_fp8": layout.key_fp8,
         "fp8_hardware": fp8_hardware,

@@ -1,0 +1,90 @@
+"""Compile decode stage 1 of a config for sm90 without a GPU and count its global loads.
+
+    python3 tests/ptx_probe.py CONFIG [--block-kv 32] [--warps 1] [--stages 1] [--ptx OUT.ptx]
+
+Triton compiles to PTX offline; the load mix (16-byte `ld.global.v4`, 16- and
+32-bit scalar loads, `cp.async` copies when pipelined) shows whether the
+kernel's loads were vectorized, which the interpreter cannot tell. Registers
+and spills come from the ptxas bundled with triton; they follow the local
+triton version, which may differ from the GPU machine's.
+"""
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import tqgen  # noqa: E402
+from tqgen import config as config_mod  # noqa: E402
+
+POINTER_TYPES = {"query_ptr": "*fp16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32"}
+
+
+def compile_stage1(module, block_kv: int, warps: int, stages: int):
+    """Stage 1 for group size 4, with the argument specializations a real launch gets (16-aligned
+    pointers and strides)."""
+    kernel = module.tq_decode_stage1
+    signature, attributes = {}, {}
+    constants = {"GROUP_SIZE": 4, "BLOCK_H": 16, "BLOCK_KV": block_kv}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = POINTER_TYPES.get(name, "*fp32")
+            attributes[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride_"):
+                attributes[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(kernel, signature, constants, attributes)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def ptxas_usage(ptx: str) -> str:
+    folder = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for name in ("ptxas-blackwell", "ptxas"):  # the newer one accepts the newer PTX versions
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            continue
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as handle:
+            handle.write(ptx)
+        result = subprocess.run([path, "-arch=sm_90a", "-v", handle.name, "-o", os.devnull],
+                                capture_output=True, text=True)
+        os.unlink(handle.name)
+        found = re.findall(r"Used \d+ registers|\d+ bytes cumulative stack size", result.stderr)
+        if found:
+            return ", ".join(found)
+    return "ptxas not available"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config")
+    parser.add_argument("--block-kv", type=int, default=32)
+    parser.add_argument("--warps", type=int, default=1)
+    parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--ptx", help="also write the PTX here")
+    args = parser.parse_args()
+    config = config_mod.resolve_arch(config_mod.load(args.config), (9, 0))
+    module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-ptx-"))
+    ptx = compile_stage1(module, args.block_kv, args.warps, args.stages).asm["ptx"]
+    if args.ptx:
+        with open(args.ptx, "w") as handle:
+            handle.write(ptx)
+    loads = collections.Counter(re.findall(r"ld\.global(?:\.\w+)*", ptx))
+    print(f"{args.config} kv{args.block_kv} w{args.warps} st{args.stages}: {ptxas_usage(ptx)}")
+    print("  global loads: " + ", ".join(f"{kind} x{count}" for kind, count in loads.most_common()))
+    print(f"  cp.async x{len(re.findall(r'cp[.]async[.]c[ag]', ptx))}, "
+          f"ld.shared x{len(re.findall(r'ld[.]shared', ptx))}, st.shared x{len(re.findall(r'st[.]shared', ptx))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""The page-planar cache layout (`cache_layout: planes`): byte positions, store, decode, dequantize.
+
+The "planes" cache holds the same bytes per token as the seed's "slots" cache,
+transposed record by record within each KV head's page (tqgen/layout.py). The
+tests pin the byte positions by hand, check that the kernels agree with the
+reference byte for byte (store) or within the usual tolerances (decode,
+dequantize), and that a planes cache is exactly the slots cache re-laid out.
+"""
+
+import pytest
+import torch
+
+from conftest import PRESETS, codebook_kwargs, make_config, stored_cache
+from tqgen import config as config_mod, reference, tune
+from tqgen.errors import ConfigError
+from tqgen.layout import Layout
+from tqgen.testing import paged_batch, relative_error
+from tqgen.verify import DECODE_TOLERANCE, DEQUANT_TOLERANCE
+
+SENTINEL = 0xA5
+
+
+def planes_config(preset, head_dim=128, **overrides):
+    return make_config(preset, head_dim=head_dim, cache_layout="planes", **overrides)
+
+
+# --- layout ------------------------------------------------------------------
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("page", [8, 16, 64])
+def test_planes_tile_the_page_and_start_16_byte_aligned(preset, head_dim, page):
+    layout = Layout.from_config(planes_config(preset, head_dim, block_size=page))
+    position = 0
+    for _name, start, size in layout.records():
+        assert layout.plane_offset(start) == position and position % 16 == 0
+        position += page * size
+    assert position == layout.page_bytes == page * layout.slot_bytes
+
+
+def test_k3v4_byte_positions_by_hand():
+    """k3v4, head_dim 128, page 16: planes at 0 (key codes, 48 B/token), 768 (norms), 800 (value
+    codes, 64 B/token), 1824 (scale+zero, 4 B/token); 1888 bytes per page and head."""
+    layout = Layout.from_config(planes_config("k3v4"))
+    constants = layout.constants()
+    assert (constants["KEY_CODE_PLANE"], constants["KEY_NORM_PLANE"], constants["VALUE_CODE_PLANE"],
+            constants["VALUE_SCALE_PLANE"], constants["PAGE_BYTES"]) == (0, 768, 800, 1824, 1888)
+    assert constants["KEY_HIGH_BITS_AT"] == 32
+    slots = torch.zeros(1, 16, 1, layout.slot_bytes, dtype=torch.uint8)
+    slots[0, 3, 0, 48:50] = torch.tensor([0x12, 0x34])  # token 3's key norm
+    slots[0, 5, 0, 116:118] = torch.tensor([0x56, 0x78])  # token 5's value zero
+    slots[0, 2, 0, 50 + 7] = 0x9A  # token 2's value code byte 7
+    pages = reference.slots_to_pages(layout, slots)
+    assert pages.shape == (1, 1, 1888)
+    assert pages[0, 0, 768 + 3 * 2: 768 + 3 * 2 + 2].tolist() == [0x12, 0x34]
+    assert pages[0, 0, 1824 + 5 * 4 + 2: 1824 + 5 * 4 + 4].tolist() == [0x56, 0x78]
+    assert pages[0, 0, 800 + 2 * 64 + 7] == 0x9A
+    assert int(pages.count_nonzero()) == 5
+
+
+def test_3bit_codes_split_into_low_and_high_streams():
+    """Code i of a 3-bit record: low 2 bits at bits 2i.. of the first D/4 bytes, high bit at bit i after them."""
+    layout = Layout.from_config(planes_config("k3v3"))
+    codes = torch.arange(128) % 8  # 0, 1, ..., 7, 0, ...
+    slots = torch.zeros(1, 16, 1, layout.slot_bytes, dtype=torch.uint8)
+    slots[0, 0, 0, :48] = reference.pack_codes(codes, 3)
+    record = reference.slots_to_pages(layout, slots)[0, 0, :48]
+    # Codes 0..3 have low bits 0,1,2,3 -> byte 0b11100100; high bits of 0..7 are 0,0,0,0,1,1,1,1 -> 0xF0.
+    assert record[0] == 0b11100100 and record[1] == 0b11100100
+    assert torch.all(record[32:] == 0xF0)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_slots_to_pages_round_trips(preset):
+    layout = Layout.from_config(planes_config(preset, 96, block_size=32))
+    slots = torch.randint(0, 256, (3, 32, 2, layout.slot_bytes), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(0))
+    if layout.key_bits == 3:  # pad bits of a 3-bit stream carry no code: keep them zero
+        codes = reference.unpack_codes(slots[..., : layout.key_code_bytes], 3, 96)
+        slots[..., : layout.key_code_bytes] = reference.pack_codes(codes, 3)
+    if layout.value_bits == 3:
+        start, size = layout.value_code_offset, layout.value_code_bytes
+        codes = reference.unpack_codes(slots[..., start: start + size], 3, 96)
+        slots[..., start: start + size] = reference.pack_codes(codes, 3)
+    assert torch.equal(reference.pages_to_slots(layout, reference.slots_to_pages(layout, slots)), slots)
+
+
+def test_config_refuses_planes_it_cannot_align():
+    with pytest.raises(ConfigError, match="block_size.*at least 8 tokens"):
+        config_mod.from_mapping(dict(key_format="fp8", value_bits=4, head_dim=128, block_size=4,
+                                     cache_layout="planes"))
+    with pytest.raises(ConfigError, match="head_dim.*multiple of 16"):
+        config_mod.from_mapping(dict(key_format="mse", key_bits=3, value_bits=4, head_dim=72,
+                                     cache_layout="planes"))
+    with pytest.raises(ConfigError, match="cache_layout.*slots or planes"):
+        config_mod.from_mapping(dict(key_format="fp8", value_bits=4, head_dim=128, cache_layout="paged"))
+
+
+def test_slots_configs_keep_their_hash_and_planes_configs_get_their_own():
+    fields = dict(key_format="mse", key_bits=3, value_bits=4, head_dim=128)
+    implicit = config_mod.from_mapping(fields)
+    explicit = config_mod.from_mapping(dict(fields, cache_layout="slots"))
+    planes = config_mod.from_mapping(dict(fields, cache_layout="planes"))
+    assert implicit.hash() == explicit.hash() and "cache_layout" not in implicit.canonical_json()
+    assert planes.hash() != implicit.hash()
+    assert "_planes_" in planes.artifact_name() and "planes" not in implicit.artifact_name()
+
+
+# --- kernels -----------------------------------------------------------------
+@pytest.mark.parametrize("preset,head_dim", [(p, 128) for p in sorted(PRESETS)] + [("k3v4", 96), ("k4v4", 64)])
+def test_store_writes_the_reference_bytes_and_nothing_else(device, build_module, preset, head_dim):
+    config = planes_config(preset, head_dim)
+    module = build_module(config)
+    batch = paged_batch(config, [1, 15, 17, 40], num_kv_heads=2, device=device,
+                        generator=torch.Generator().manual_seed(head_dim))
+    kwargs = codebook_kwargs(module, config, device)
+    cache = torch.full((batch.num_blocks, 2, module.PAGE_BYTES), SENTINEL, dtype=torch.uint8, device=device)
+    expected = cache.clone()
+    module.store(batch.key, batch.value, cache, batch.slot_mapping, **kwargs)
+    reference.store(config, batch.key, batch.value, expected, batch.slot_mapping,
+                    kwargs.get("rotation"), kwargs.get("centroids"))
+    assert torch.equal(cache.cpu(), expected.cpu()), f"{int((cache != expected).sum())} bytes differ"
+    # Whole unused pages keep the sentinel.
+    unused = sorted(set(range(batch.num_blocks)) - set(batch.block_table[batch.block_table >= 0].tolist()))
+    assert unused and torch.all(cache[unused] == SENTINEL)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_planes_cache_is_the_slots_cache_relaid(device, build_module, preset):
+    """The same tokens stored by both layouts' modules: identical bytes, identical decode."""
+    planes, slots = planes_config(preset), make_config(preset)
+    batch, planes_cache = stored_cache(build_module(planes), planes, [20, 33], device, seed=3)
+    _, slots_cache = stored_cache(build_module(slots), slots, [20, 33], device, seed=3)
+    assert torch.equal(reference.slots_to_pages(Layout.from_config(planes), slots_cache.cpu()), planes_cache.cpu())
+    kwargs = codebook_kwargs(build_module(planes), planes, device)
+    query = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(5)).to(device)
+    from_planes = build_module(planes).decode(query, planes_cache, batch.block_table, batch.seq_lens, **kwargs)
+    from_slots = build_module(slots).decode(query, slots_cache, batch.block_table, batch.seq_lens, **kwargs)
+    assert relative_error(from_planes, from_slots) < 1e-5
+
+
+def _check_decode(module, config, device, seq_lens, **launch):
+    batch, cache = stored_cache(module, config, seq_lens, device)
+    kwargs = codebook_kwargs(module, config, device)
+    query = torch.randn(len(seq_lens), 8, config.head_dim, generator=torch.Generator().manual_seed(7)).to(device)
+    out = module.decode(query, cache, batch.block_table, batch.seq_lens, **kwargs, **launch)
+    want = reference.decode(config, query, cache, batch.block_table, batch.seq_lens,
+                            kwargs.get("rotation"), kwargs.get("centroids"))
+    assert torch.isfinite(out).all()
+    error = relative_error(out, want)
+    assert error < DECODE_TOLERANCE[torch.float32], f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("preset,head_dim", [(p, 128) for p in sorted(PRESETS)]
+                         + [("k3v4", 96), ("k8v4", 96), ("k4v4", 64), ("k3v3", 64)])
+def test_decode_matches_reference(device, build_module, preset, head_dim):
+    config = planes_config(preset, head_dim)
+    _check_decode(build_module(config), config, device, [1, 15, 17, 300, 0])
+
+
+@pytest.mark.parametrize("fields", [dict(key_format="mse", key_bits=2, value_bits=2),
+                                    dict(key_format="mse", key_bits=4, value_bits=8),
+                                    dict(key_format="fp8", value_bits=3)])
+def test_other_bit_widths(device, build_module, fields):
+    config = config_mod.resolve_arch(config_mod.from_mapping(dict(fields, head_dim=64, cache_layout="planes")))
+    _check_decode(build_module(config), config, device, [9, 40])
+
+
+@pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
+@pytest.mark.parametrize("block_kv,num_warps,num_stages", sorted(
+    {(c["block_kv"], c["num_warps"], c["num_stages"]) for c in tune.SearchSpace().candidates()}
+    | {(32, 1, 2), (64, 2, 3)}))
+def test_launch_parameters(device, build_module, preset, block_kv, num_warps, num_stages):
+    config = planes_config(preset)
+    _check_decode(build_module(config), config, device, [5, 200], block_kv=block_kv, num_warps=num_warps,
+                  num_stages=num_stages, num_splits=3)
+
+
+@pytest.mark.parametrize("block_size", [8, 64])
+def test_page_sizes(device, build_module, block_size):
+    config = planes_config("k3v4", block_size=block_size)
+    _check_decode(build_module(config), config, device, [1, block_size - 1, block_size + 1, 130],
+                  num_splits=2)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_dequantize_matches_reference(device, build_module, preset):
+    config = planes_config(preset)
+    module = build_module(config)
+    batch, cache = stored_cache(module, config, [1, 17, 70, 0], device)
+    kwargs = codebook_kwargs(module, config, device)
+    keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.float32, **kwargs)
+    want_keys, want_values = reference.dequantize(config, cache, batch.block_table, batch.seq_lens,
+                                                  kwargs.get("rotation"), kwargs.get("centroids"))
+    assert relative_error(keys, want_keys) < DEQUANT_TOLERANCE
+    assert relative_error(values, want_values) < DEQUANT_TOLERANCE
+
+
+# --- launch checks -----------------------------------------------------------
+def test_launchers_refuse_a_cache_they_cannot_read(device, build_module):
+    config = planes_config("k3v4")
+    module = build_module(config)
+    batch, cache = stored_cache(module, config, [5], device)
+    kwargs = codebook_kwargs(module, config, device)
+    query = torch.randn(1, 8, 128, device=device)
+    slots_shaped = torch.zeros(cache.shape[0], 16, 2, module.SLOT_BYTES, dtype=torch.uint8, device=device)
+    with pytest.raises(module.LaunchError, match=r"kv_cache must have 3 dimensions"):
+        module.decode(query, slots_shaped, batch.block_table, batch.seq_lens, **kwargs)
+    with pytest.raises(module.LaunchError, match=r"pages are 1880 bytes \(dim 2\).*1888 bytes"):
+        module.decode(query, cache[..., :1880], batch.block_table, batch.seq_lens, **kwargs)
+    shifted = torch.zeros(cache.numel() + 8, dtype=torch.uint8, device=device)[8:].view(cache.shape)
+    with pytest.raises(module.LaunchError, match="16-byte aligned address"):
+        module.store(batch.key, batch.value, shifted, batch.slot_mapping, **kwargs)
+    padded = torch.zeros(cache.shape[0], 2, module.PAGE_BYTES + 8, dtype=torch.uint8, device=device)
+    with pytest.raises(module.LaunchError, match="multiples of 16 bytes"):
+        module.dequantize(padded[..., : module.PAGE_BYTES], batch.block_table, batch.seq_lens, **kwargs)
+    assert tuple(module.make_cache(3, 2, device).shape) == (3, 2, module.PAGE_BYTES)
