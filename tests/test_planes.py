@@ -65,23 +65,41 @@ def test_3bit_codes_split_into_low_and_high_streams():
     slots[0, 0, 0, :48] = reference.pack_codes(codes, 3)
     record = reference.slots_to_pages(layout, slots)[0, 0, :48]
     # Codes 0..3 have low bits 0,1,2,3 -> byte 0b11100100; high bits of 0..7 are 0,0,0,0,1,1,1,1 -> 0xF0.
-    assert record[0] == 0b11100100 and record[1] == 0b11100100
+    assert torch.all(record[:32] == 0b11100100)
     assert torch.all(record[32:] == 0xF0)
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_slots_to_pages_round_trips(preset):
+def test_slots_to_pages_round_trips_both_ways(preset):
+    """Exact inverses on random bytes (3-bit streams have no pad bits: planes needs head_dim % 16 == 0 there)."""
     layout = Layout.from_config(planes_config(preset, 96, block_size=32))
-    slots = torch.randint(0, 256, (3, 32, 2, layout.slot_bytes), dtype=torch.uint8,
-                          generator=torch.Generator().manual_seed(0))
-    if layout.key_bits == 3:  # pad bits of a 3-bit stream carry no code: keep them zero
-        codes = reference.unpack_codes(slots[..., : layout.key_code_bytes], 3, 96)
-        slots[..., : layout.key_code_bytes] = reference.pack_codes(codes, 3)
-    if layout.value_bits == 3:
-        start, size = layout.value_code_offset, layout.value_code_bytes
-        codes = reference.unpack_codes(slots[..., start: start + size], 3, 96)
-        slots[..., start: start + size] = reference.pack_codes(codes, 3)
+    generator = torch.Generator().manual_seed(0)
+    slots = torch.randint(0, 256, (3, 32, 2, layout.slot_bytes), dtype=torch.uint8, generator=generator)
+    pages = torch.randint(0, 256, (3, 2, layout.page_bytes), dtype=torch.uint8, generator=generator)
     assert torch.equal(reference.pages_to_slots(layout, reference.slots_to_pages(layout, slots)), slots)
+    assert torch.equal(reference.slots_to_pages(layout, reference.pages_to_slots(layout, pages)), pages)
+    with pytest.raises(ValueError, match="slots of a 32-token page"):
+        reference.slots_to_pages(layout, slots[:, :16])
+    with pytest.raises(ValueError, match=f"pages of {layout.page_bytes} bytes"):
+        reference.pages_to_slots(layout, pages[..., :-16])
+
+
+@pytest.mark.parametrize("fields", [dict(key_format="mse", key_bits=4, value_bits=8, head_dim=72, block_size=8),
+                                    dict(key_format="mse", key_bits=2, value_bits=2, head_dim=88),
+                                    dict(key_format="fp8", value_bits=3, head_dim=80, block_size=64),
+                                    dict(key_format="mse", key_bits=3, value_bits=4, head_dim=256)])
+def test_every_field_access_is_aligned_as_the_kernels_hint(fields):
+    """The kernels hint each record row as gcd(16, record bytes)-aligned (tl.multiple_of, which the
+    interpreter ignores): true for every token of every plane, given 16-byte aligned pages."""
+    import math
+
+    layout = Layout.from_config(config_mod.from_mapping(dict(fields, cache_layout="planes")))
+    for _name, start, size in layout.records():
+        alignment = math.gcd(16, size)
+        for pos in range(layout.page_size):
+            assert (layout.plane_offset(start) + pos * size) % alignment == 0
+    if layout.split_high_bits(layout.key_bits):
+        assert layout.high_bits_offset % math.gcd(16, layout.key_code_bytes) == 0
 
 
 def test_config_refuses_planes_it_cannot_align():
@@ -106,22 +124,41 @@ def test_slots_configs_keep_their_hash_and_planes_configs_get_their_own():
 
 
 # --- kernels -----------------------------------------------------------------
-@pytest.mark.parametrize("preset,head_dim", [(p, 128) for p in sorted(PRESETS)] + [("k3v4", 96), ("k4v4", 64)])
-def test_store_writes_the_reference_bytes_and_nothing_else(device, build_module, preset, head_dim):
-    config = planes_config(preset, head_dim)
+ODD_FORMATS = [  # record sizes that are not multiples of 16 bytes: narrower loads, other hints
+    dict(key_format="mse", key_bits=4, value_bits=8, head_dim=72, block_size=8),
+    dict(key_format="mse", key_bits=2, value_bits=2, head_dim=88),
+    dict(key_format="fp8", value_bits=4, head_dim=200),
+]
+
+
+def _planes_config(spec):
+    if isinstance(spec, str):
+        preset, head_dim = spec.split("-d")
+        return planes_config(preset, int(head_dim))
+    return config_mod.resolve_arch(config_mod.from_mapping(dict(spec, cache_layout="planes")))
+
+
+KERNEL_FORMATS = [f"{p}-d128" for p in sorted(PRESETS)] + ["k3v4-d96", "k4v4-d64", "k3v4-d256"] + ODD_FORMATS
+
+
+@pytest.mark.parametrize("spec", KERNEL_FORMATS, ids=str)
+def test_store_writes_the_reference_bytes_and_nothing_else(device, build_module, spec):
+    config = _planes_config(spec)
+    head_dim = config.head_dim
     module = build_module(config)
     batch = paged_batch(config, [1, 15, 17, 40], num_kv_heads=2, device=device,
                         generator=torch.Generator().manual_seed(head_dim))
     kwargs = codebook_kwargs(module, config, device)
     cache = torch.full((batch.num_blocks, 2, module.PAGE_BYTES), SENTINEL, dtype=torch.uint8, device=device)
-    expected = cache.clone()
+    cache[-1] = 0x5A  # a different byte in one unused block, so that a misplaced field shows in both
+    initial, expected = cache.clone(), cache.clone()
     module.store(batch.key, batch.value, cache, batch.slot_mapping, **kwargs)
     reference.store(config, batch.key, batch.value, expected, batch.slot_mapping,
                     kwargs.get("rotation"), kwargs.get("centroids"))
     assert torch.equal(cache.cpu(), expected.cpu()), f"{int((cache != expected).sum())} bytes differ"
-    # Whole unused pages keep the sentinel.
+    # Whole unused pages keep their bytes.
     unused = sorted(set(range(batch.num_blocks)) - set(batch.block_table[batch.block_table >= 0].tolist()))
-    assert unused and torch.all(cache[unused] == SENTINEL)
+    assert unused and torch.equal(cache[unused].cpu(), initial[unused].cpu())
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -165,6 +202,12 @@ def test_other_bit_widths(device, build_module, fields):
     _check_decode(build_module(config), config, device, [9, 40])
 
 
+@pytest.mark.parametrize("spec", ODD_FORMATS, ids=str)
+def test_decode_with_records_not_multiples_of_16_bytes(device, build_module, spec):
+    config = _planes_config(spec)
+    _check_decode(build_module(config), config, device, [1, 23, 70])
+
+
 @pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
 @pytest.mark.parametrize("block_kv,num_warps,num_stages", sorted(
     {(c["block_kv"], c["num_warps"], c["num_stages"]) for c in tune.SearchSpace().candidates()}
@@ -182,9 +225,9 @@ def test_page_sizes(device, build_module, block_size):
                   num_splits=2)
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_dequantize_matches_reference(device, build_module, preset):
-    config = planes_config(preset)
+@pytest.mark.parametrize("spec", KERNEL_FORMATS, ids=str)
+def test_dequantize_matches_reference(device, build_module, spec):
+    config = _planes_config(spec)
     module = build_module(config)
     batch, cache = stored_cache(module, config, [1, 17, 70, 0], device)
     kwargs = codebook_kwargs(module, config, device)
@@ -203,14 +246,28 @@ def test_launchers_refuse_a_cache_they_cannot_read(device, build_module):
     kwargs = codebook_kwargs(module, config, device)
     query = torch.randn(1, 8, 128, device=device)
     slots_shaped = torch.zeros(cache.shape[0], 16, 2, module.SLOT_BYTES, dtype=torch.uint8, device=device)
-    with pytest.raises(module.LaunchError, match=r"kv_cache must have 3 dimensions"):
+    with pytest.raises(module.LaunchError, match=r"kv_cache must be \[num_blocks, num_kv_heads, 1888\] "
+                                                 r"\(this module's cache_layout is planes"):
         module.decode(query, slots_shaped, batch.block_table, batch.seq_lens, **kwargs)
     with pytest.raises(module.LaunchError, match=r"pages are 1880 bytes \(dim 2\).*1888 bytes"):
         module.decode(query, cache[..., :1880], batch.block_table, batch.seq_lens, **kwargs)
     shifted = torch.zeros(cache.numel() + 8, dtype=torch.uint8, device=device)[8:].view(cache.shape)
-    with pytest.raises(module.LaunchError, match="16-byte aligned address"):
+    with pytest.raises(module.LaunchError, match=r"16-byte aligned address .*\(address % 16 = 8,"):
         module.store(batch.key, batch.value, shifted, batch.slot_mapping, **kwargs)
     padded = torch.zeros(cache.shape[0], 2, module.PAGE_BYTES + 8, dtype=torch.uint8, device=device)
     with pytest.raises(module.LaunchError, match="multiples of 16 bytes"):
         module.dequantize(padded[..., : module.PAGE_BYTES], batch.block_table, batch.seq_lens, **kwargs)
+    strided = torch.zeros(cache.shape[0], 2, 2 * module.PAGE_BYTES, dtype=torch.uint8, device=device)[..., ::2]
+    with pytest.raises(module.LaunchError, match=r"contiguous within a page \(stride\(2\) == 1\)"):
+        module.decode(query, strided, batch.block_table, batch.seq_lens, **kwargs)
     assert tuple(module.make_cache(3, 2, device).shape) == (3, 2, module.PAGE_BYTES)
+
+
+def test_a_slots_module_names_its_layout_for_a_planes_cache(device, build_module):
+    slots = make_config("k8v4")
+    module = build_module(slots)
+    planes_cache = torch.zeros(4, 2, 16 * module.SLOT_BYTES, dtype=torch.uint8, device=device)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32, device=device), torch.ones(1, dtype=torch.int32, device=device)
+    with pytest.raises(module.LaunchError, match=r"kv_cache must be \[num_blocks, 16, num_kv_heads, 196\] "
+                                                 r"\(this module's cache_layout is slots\)"):
+        module.dequantize(planes_cache, table, lens)

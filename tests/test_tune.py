@@ -267,7 +267,7 @@ def test_planes_heuristic_is_close_to_the_measured_best_on_the_h200(tmp_path, pr
     stem = "_kfp8_" if preset == "k8v4" else "_kmse"
     ratios = _heuristic_ratios(module, [t for t in _timing_tables(planes=True) if stem in t[0]])
     assert len(ratios) >= 4
-    assert _geomean(ratios) < 1.02 and max(ratios) < 1.05
+    assert _geomean(ratios) < 1.02 and max(ratios) < 1.03
 
 
 def test_a_bucket_without_valid_candidates_fails_alone(setup, tmp_path, monkeypatch):

@@ -20,8 +20,9 @@ Two cache layouts hold those slots (config `cache_layout`):
   as 4 bytes, padding), and the record starting at slot byte `o` becomes a plane at
   page byte `page * o` holding the page's tokens in order, `record_bytes` apart.
   Same bytes per token; every plane is 16-byte aligned (pages of >= 8 tokens), so
-  kernels read a token's codes with 16-byte loads and the scale and zero with one
-  32-bit load. 3-bit codes are the one change inside a record: they are stored as
+  kernels read a token's codes with loads as wide as its record allows (16 bytes
+  when the record is a multiple of 16 bytes, as at head_dim 128) and the scale and
+  zero with one 32-bit load. 3-bit codes are the one change inside a record: they are stored as
   the 2-bit stream of each code's low bits followed by the 1-bit stream of its high
   bits (same size), so that groups of 8 codes are 16- and 8-bit words.
 """
@@ -130,7 +131,7 @@ class Layout:
 
     def records(self) -> list[tuple[str, int, int]]:
         """(name, slot offset, bytes) of each record: what "planes" stores per token and plane."""
-        rows = [("key codes", self.key_code_offset, self.key_code_bytes)]
+        rows = [("key values (fp8 e4m3fn)" if self.key_fp8 else "key codes", self.key_code_offset, self.key_code_bytes)]
         if not self.key_fp8:
             rows.append(("key norm", self.key_norm_offset, 2))
         rows.append(("value codes", self.value_code_offset, self.value_code_bytes))

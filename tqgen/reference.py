@@ -71,45 +71,51 @@ def fp8_e4m3fn_bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 # --- the two cache layouts -----------------------------------------------------
-def _record_to_planes(record: torch.Tensor, layout: Layout, name: str, bits: int) -> torch.Tensor:
-    """A code record's slot bytes -> its "planes" bytes (3-bit codes: low-bit stream, then high bits)."""
-    if not (name.endswith("codes") and layout.split_high_bits(bits)):
+def _code_bits(layout: Layout, start: int) -> int | None:
+    """Bits per code of the record starting at slot byte `start`; None for norms, scales and padding."""
+    return {layout.key_code_offset: layout.key_bits, layout.value_code_offset: layout.value_bits}.get(start)
+
+
+def _record_to_planes(record: torch.Tensor, layout: Layout, bits: int | None) -> torch.Tensor:
+    """A record's slot bytes -> its "planes" bytes (3-bit codes: low-bit stream, then high bits)."""
+    if bits is None or not layout.split_high_bits(bits):
         return record
     codes = unpack_codes(record, 3, layout.head_dim)
     return torch.cat([pack_codes(codes & 3, 2), pack_codes(codes >> 2, 1)], dim=-1)
 
 
-def _record_from_planes(record: torch.Tensor, layout: Layout, name: str, bits: int) -> torch.Tensor:
-    if not (name.endswith("codes") and layout.split_high_bits(bits)):
+def _record_from_planes(record: torch.Tensor, layout: Layout, bits: int | None) -> torch.Tensor:
+    if bits is None or not layout.split_high_bits(bits):
         return record
     low = unpack_codes(record[..., : layout.high_bits_offset], 2, layout.head_dim)
     high = unpack_codes(record[..., layout.high_bits_offset:], 1, layout.head_dim)
     return pack_codes(low | (high << 2), 3)
 
 
-def _record_bits(layout: Layout, name: str) -> int:
-    return layout.key_bits if name.startswith("key") else layout.value_bits
-
-
 def slots_to_pages(layout: Layout, slots: torch.Tensor) -> torch.Tensor:
     """A "slots" cache [blocks, page, heads, slot_bytes] -> the same data as "planes" [blocks, heads, page_bytes]."""
-    blocks, page, heads, _ = slots.shape
+    blocks, page, heads, slot_bytes = slots.shape
+    if (page, slot_bytes) != (layout.page_size, layout.slot_bytes):
+        raise ValueError(f"expected slots of a {layout.page_size}-token page, {layout.slot_bytes} bytes each; "
+                         f"got shape {tuple(slots.shape)}")
     planes = []
-    for name, start, size in layout.records():
-        record = _record_to_planes(slots[..., start: start + size], layout, name, _record_bits(layout, name))
+    for _name, start, size in layout.records():
+        record = _record_to_planes(slots[..., start: start + size], layout, _code_bits(layout, start))
         planes.append(record.permute(0, 2, 1, 3).reshape(blocks, heads, page * size))
     return torch.cat(planes, dim=-1)
 
 
 def pages_to_slots(layout: Layout, pages: torch.Tensor) -> torch.Tensor:
     """Inverse of `slots_to_pages`."""
-    blocks, heads, _ = pages.shape
+    blocks, heads, page_bytes = pages.shape
+    if page_bytes != layout.page_bytes:
+        raise ValueError(f"expected pages of {layout.page_bytes} bytes; got shape {tuple(pages.shape)}")
     page = layout.page_size
     records = []
-    for name, start, size in layout.records():
+    for _name, start, size in layout.records():
         plane = pages[..., layout.plane_offset(start): layout.plane_offset(start) + page * size]
         record = plane.reshape(blocks, heads, page, size).permute(0, 2, 1, 3)
-        records.append(_record_from_planes(record, layout, name, _record_bits(layout, name)))
+        records.append(_record_from_planes(record, layout, _code_bits(layout, start)))
     return torch.cat(records, dim=-1)
 
 
