@@ -31,7 +31,8 @@ if [[ $steps == *bench* ]]; then
         chart="--chart $out/bench.png"
     fi
     python3 -m tqgen.cli bench configs/k8v4-d128.yaml configs/k4v4-d128.yaml configs/k3v4-d128.yaml \
-        configs/k3v3-d128.yaml --json "$out/bench.json" $chart $bench_args 2>&1 \
+        configs/k3v3-d128.yaml configs/k8v4-d128-planes.yaml configs/k4v4-d128-planes.yaml \
+        configs/k3v4-d128-planes.yaml configs/k3v3-d128-planes.yaml --json "$out/bench.json" $chart $bench_args 2>&1 \
         | tee "$out/bench.log" | grep -v '^\['
     rc=${PIPESTATUS[0]}; echo "bench exit code: $rc"; (( rc )) && status=1
 fi
