@@ -19,6 +19,9 @@ HAS_CUDA = torch.cuda.is_available() and not INTERPRET
 import tqgen  # noqa: E402  (after TRITON_INTERPRET is settled)
 from tqgen import config as config_mod  # noqa: E402
 from tqgen import testing  # noqa: E402
+from tqgen import reference  # noqa: E402
+from tqgen.testing import relative_error  # noqa: E402
+from tqgen.verify import DECODE_TOLERANCE  # noqa: E402
 
 DEVICES = [
     pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU kernels need TRITON_INTERPRET=1")),
@@ -71,3 +74,21 @@ def stored_cache(module, config, seq_lens, device, num_kv_heads=2, seed=0):
     cache = module.make_cache(batch.num_blocks, num_kv_heads, device)
     module.store(batch.key, batch.value, cache, batch.slot_mapping, **codebook_kwargs(module, config, device))
     return batch, cache
+
+
+def check_decode(module, config, device, seq_lens, num_kv_heads=2, group_size=4, dtype=torch.float32, seed=0,
+                  **launch):
+    """Decode a random ragged batch with the module and compare it with the float64 reference; returns the output."""
+    batch, cache = stored_cache(module, config, seq_lens, device, num_kv_heads, seed)
+    kwargs = codebook_kwargs(module, config, device)
+    generator = torch.Generator().manual_seed(seed + 100)
+    query = torch.randn(len(seq_lens), num_kv_heads * group_size, config.head_dim, generator=generator)
+    query = query.to(device=device, dtype=dtype)
+    out = module.decode(query, cache, batch.block_table, batch.seq_lens, **kwargs, **launch)
+    want = reference.decode(config, query, cache, batch.block_table, batch.seq_lens,
+                            kwargs.get("rotation"), kwargs.get("centroids"))
+    assert out.dtype == dtype and out.shape == want.shape
+    assert torch.isfinite(out).all()
+    error = relative_error(out, want)
+    assert error < DECODE_TOLERANCE[dtype], f"relative error {error:.2e}"
+    return out

@@ -5,10 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PRESETS, codebook_kwargs, make_config, stored_cache
-from tqgen import config as config_mod, layout, reference, tune
+from conftest import PRESETS, check_decode, codebook_kwargs, make_config, stored_cache
+from tqgen import config as config_mod, layout, tune
 from tqgen.testing import relative_error
-from tqgen.verify import DECODE_TOLERANCE
 
 
 def _decode_inputs(module, config, seq_lens, device, query_seed, cache_seed=0):
@@ -19,28 +18,11 @@ def _decode_inputs(module, config, seq_lens, device, query_seed, cache_seed=0):
     return batch, cache, query, codebook_kwargs(module, config, device)
 
 
-def _check_decode(module, config, device, seq_lens, num_kv_heads=2, group_size=4, dtype=torch.float32, seed=0,
-                  **launch):
-    batch, cache = stored_cache(module, config, seq_lens, device, num_kv_heads, seed)
-    kwargs = codebook_kwargs(module, config, device)
-    generator = torch.Generator().manual_seed(seed + 100)
-    query = torch.randn(len(seq_lens), num_kv_heads * group_size, config.head_dim, generator=generator)
-    query = query.to(device=device, dtype=dtype)
-    out = module.decode(query, cache, batch.block_table, batch.seq_lens, **kwargs, **launch)
-    want = reference.decode(config, query, cache, batch.block_table, batch.seq_lens,
-                            kwargs.get("rotation"), kwargs.get("centroids"))
-    assert out.dtype == dtype and out.shape == want.shape
-    assert torch.isfinite(out).all()
-    error = relative_error(out, want)
-    assert error < DECODE_TOLERANCE[dtype], f"relative error {error:.2e}"
-    return out
-
-
 @pytest.mark.parametrize("preset,head_dim", [(p, 128) for p in sorted(PRESETS)]
                          + [("k3v4", 96), ("k8v4", 96), ("k4v4", 64), ("k3v3", 64)])
 def test_presets_and_head_dims(device, build_module, preset, head_dim):
     config = make_config(preset, head_dim=head_dim)
-    _check_decode(build_module(config), config, device, [1, 15, 17, 300])
+    check_decode(build_module(config), config, device, [1, 15, 17, 300])
 
 
 @pytest.mark.parametrize("fields,head_dim", [
@@ -58,7 +40,7 @@ def test_other_bit_widths_and_load_paths(device, build_module, fields, head_dim)
     assert aligned == (head_dim != 72)
     module = build_module(config)
     assert ("_load_u16(" in Path(module.__file__).read_text()) == aligned  # the templates follow the layout
-    _check_decode(module, config, device, [1, 17, 40])
+    check_decode(module, config, device, [1, 17, 40])
 
 
 def test_byte_load_layouts_accept_a_cache_at_an_odd_address(device, build_module):
@@ -78,7 +60,7 @@ def test_byte_load_layouts_accept_a_cache_at_an_odd_address(device, build_module
 @pytest.mark.parametrize("group_size", [1, 4, 6, 8, 16])
 def test_gqa_group_sizes(device, build_module, group_size):
     config = make_config("k3v4")
-    _check_decode(build_module(config), config, device, [33, 70], group_size=group_size, num_kv_heads=2)
+    check_decode(build_module(config), config, device, [33, 70], group_size=group_size, num_kv_heads=2)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -86,7 +68,7 @@ def test_gqa_group_sizes(device, build_module, group_size):
 def test_splits_and_page_sizes_on_ragged_batches(device, build_module, block_size, num_splits):
     config = make_config("k4v4", block_size=block_size)
     page = block_size
-    _check_decode(build_module(config), config, device, [1, page - 1, page + 1, 130, 0],
+    check_decode(build_module(config), config, device, [1, page - 1, page + 1, 130, 0],
                   num_splits=num_splits)
 
 
@@ -98,25 +80,25 @@ TUNER_SPACE = tune.SearchSpace()  # every launch `tqgen tune` can pick by defaul
     {(c["block_kv"], c["num_warps"], c["num_stages"]) for c in TUNER_SPACE.candidates()} | {(128, 8, 2)}))
 def test_launch_parameters_the_tuner_can_pick(device, build_module, preset, block_kv, num_warps, num_stages):
     config = make_config(preset)
-    _check_decode(build_module(config), config, device, [5, 200], block_kv=block_kv, num_warps=num_warps,
+    check_decode(build_module(config), config, device, [5, 200], block_kv=block_kv, num_warps=num_warps,
                   num_stages=num_stages, num_splits=3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_queries_and_outputs(device, build_module, dtype):
     config = make_config("k8v4")
-    _check_decode(build_module(config), config, device, [40, 9], dtype=dtype)
+    check_decode(build_module(config), config, device, [40, 9], dtype=dtype)
 
 
 def test_fp8_keys_portable_decode_path(device, build_module):
     """sm80's bit-manipulation fp8 decode is correct on any device."""
     config = make_config("k8v4", arch="sm80")
-    _check_decode(build_module(config), config, device, [50, 3])
+    check_decode(build_module(config), config, device, [50, 3])
 
 
 def test_seq_len_zero_gives_zeros(device, build_module):
     config = make_config("k3v4")
-    out = _check_decode(build_module(config), config, device, [0, 20, 0], num_splits=4)
+    out = check_decode(build_module(config), config, device, [0, 20, 0], num_splits=4)
     assert torch.all(out[0] == 0) and torch.all(out[2] == 0) and not torch.all(out[1] == 0)
 
 

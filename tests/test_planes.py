@@ -7,15 +7,17 @@ reference byte for byte (store) or within the usual tolerances (decode,
 dequantize), and that a planes cache is exactly the slots cache re-laid out.
 """
 
+import math
+
 import pytest
 import torch
 
-from conftest import PRESETS, codebook_kwargs, make_config, stored_cache
+from conftest import PRESETS, check_decode, codebook_kwargs, make_config, stored_cache
 from tqgen import config as config_mod, reference, tune
 from tqgen.errors import ConfigError
-from tqgen.layout import Layout
+from tqgen.layout import Layout, row_alignment
 from tqgen.testing import paged_batch, relative_error
-from tqgen.verify import DECODE_TOLERANCE, DEQUANT_TOLERANCE
+from tqgen.verify import DEQUANT_TOLERANCE
 
 SENTINEL = 0xA5
 
@@ -89,17 +91,16 @@ def test_slots_to_pages_round_trips_both_ways(preset):
                                     dict(key_format="fp8", value_bits=3, head_dim=80, block_size=64),
                                     dict(key_format="mse", key_bits=3, value_bits=4, head_dim=256)])
 def test_every_field_access_is_aligned_as_the_kernels_hint(fields):
-    """The kernels hint each record row as gcd(16, record bytes)-aligned (tl.multiple_of, which the
+    """The kernels hint each record row as row_alignment(record bytes)-aligned (tl.multiple_of, which the
     interpreter ignores): true for every token of every plane, given 16-byte aligned pages."""
-    import math
-
     layout = Layout.from_config(config_mod.from_mapping(dict(fields, cache_layout="planes")))
     for _name, start, size in layout.records():
-        alignment = math.gcd(16, size)
+        alignment = row_alignment(size)
+        assert alignment == math.gcd(16, size)
         for pos in range(layout.page_size):
             assert (layout.plane_offset(start) + pos * size) % alignment == 0
     if layout.split_high_bits(layout.key_bits):
-        assert layout.high_bits_offset % math.gcd(16, layout.key_code_bytes) == 0
+        assert layout.high_bits_offset % row_alignment(layout.key_code_bytes) == 0
 
 
 def test_config_refuses_planes_it_cannot_align():
@@ -175,23 +176,11 @@ def test_planes_cache_is_the_slots_cache_relaid(device, build_module, preset):
     assert relative_error(from_planes, from_slots) < 1e-5
 
 
-def _check_decode(module, config, device, seq_lens, **launch):
-    batch, cache = stored_cache(module, config, seq_lens, device)
-    kwargs = codebook_kwargs(module, config, device)
-    query = torch.randn(len(seq_lens), 8, config.head_dim, generator=torch.Generator().manual_seed(7)).to(device)
-    out = module.decode(query, cache, batch.block_table, batch.seq_lens, **kwargs, **launch)
-    want = reference.decode(config, query, cache, batch.block_table, batch.seq_lens,
-                            kwargs.get("rotation"), kwargs.get("centroids"))
-    assert torch.isfinite(out).all()
-    error = relative_error(out, want)
-    assert error < DECODE_TOLERANCE[torch.float32], f"relative error {error:.2e}"
-
-
 @pytest.mark.parametrize("preset,head_dim", [(p, 128) for p in sorted(PRESETS)]
                          + [("k3v4", 96), ("k8v4", 96), ("k4v4", 64), ("k3v3", 64)])
 def test_decode_matches_reference(device, build_module, preset, head_dim):
     config = planes_config(preset, head_dim)
-    _check_decode(build_module(config), config, device, [1, 15, 17, 300, 0])
+    check_decode(build_module(config), config, device, [1, 15, 17, 300, 0])
 
 
 @pytest.mark.parametrize("fields", [dict(key_format="mse", key_bits=2, value_bits=2),
@@ -199,13 +188,13 @@ def test_decode_matches_reference(device, build_module, preset, head_dim):
                                     dict(key_format="fp8", value_bits=3)])
 def test_other_bit_widths(device, build_module, fields):
     config = config_mod.resolve_arch(config_mod.from_mapping(dict(fields, head_dim=64, cache_layout="planes")))
-    _check_decode(build_module(config), config, device, [9, 40])
+    check_decode(build_module(config), config, device, [9, 40])
 
 
 @pytest.mark.parametrize("spec", ODD_FORMATS, ids=str)
 def test_decode_with_records_not_multiples_of_16_bytes(device, build_module, spec):
     config = _planes_config(spec)
-    _check_decode(build_module(config), config, device, [1, 23, 70])
+    check_decode(build_module(config), config, device, [1, 23, 70])
 
 
 @pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
@@ -214,14 +203,14 @@ def test_decode_with_records_not_multiples_of_16_bytes(device, build_module, spe
     | {(32, 1, 2), (64, 2, 3)}))
 def test_launch_parameters(device, build_module, preset, block_kv, num_warps, num_stages):
     config = planes_config(preset)
-    _check_decode(build_module(config), config, device, [5, 200], block_kv=block_kv, num_warps=num_warps,
+    check_decode(build_module(config), config, device, [5, 200], block_kv=block_kv, num_warps=num_warps,
                   num_stages=num_stages, num_splits=3)
 
 
 @pytest.mark.parametrize("block_size", [8, 64])
 def test_page_sizes(device, build_module, block_size):
     config = planes_config("k3v4", block_size=block_size)
-    _check_decode(build_module(config), config, device, [1, block_size - 1, block_size + 1, 130],
+    check_decode(build_module(config), config, device, [1, block_size - 1, block_size + 1, 130],
                   num_splits=2)
 
 

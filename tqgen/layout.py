@@ -30,8 +30,15 @@ Two cache layouts hold those slots (config `cache_layout`):
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from .config import Config
+
+
+def row_alignment(*sizes: int) -> int:
+    """Alignment of a "planes" row: gcd(16, sizes). Pages and planes start 16-byte aligned, so
+    a record of `size` bytes starts gcd(16, size)-aligned for every token (the kernels' hints)."""
+    return math.gcd(16, *sizes)
 
 
 def packed_bytes(count: int, bits: int) -> int:

@@ -8,7 +8,6 @@ inputs, byte-identical output: nothing machine- or time-dependent enters.
 from __future__ import annotations
 
 import hashlib
-import math
 import inspect
 import json
 import re
@@ -18,7 +17,7 @@ import jinja2
 
 from . import __version__, buckets, codebook
 from .config import Config
-from .layout import Layout
+from .layout import Layout, row_alignment
 
 MODULE_TEMPLATE = "module.py.jinja"
 # First arch with a hardware e4m3 -> fp16 converter that Triton uses.
@@ -114,10 +113,11 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         "planes": layout.planes,
         "layout_records": layout.records(),
         "split_3bit": layout.split_high_bits(config.key_bits) or layout.split_high_bits(config.value_bits),
+        # The arguments that locate a token in the cache, as the kernels' helpers take them.
+        "cache_at": "page_base, pos" if layout.planes else "slot_base",
         # Where the KV-head dim of the cache tensor is, and the strides its kernels take.
         "HEADS_DIM": 1 if layout.planes else 2,
-        # Alignment of byte offsets: gcd(16, *sizes), for the kernels' tl.multiple_of hints.
-        "row_alignment": lambda *sizes: math.gcd(16, *sizes),
+        "row_alignment": row_alignment,  # for the kernels' tl.multiple_of hints
         "cache_strides": ("kv_cache.stride(0), kv_cache.stride(1)" if layout.planes
                           else "kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2)"),
         "cache_shape": (f"[num_blocks, num_kv_heads, {layout.page_bytes}] (page-planar)" if layout.planes
