@@ -260,14 +260,16 @@ def test_heuristic_is_close_to_the_measured_best_on_the_h200(setup):
     assert _geomean(ratios) < 1.03 and max(ratios) < 1.15
 
 
-@pytest.mark.parametrize("preset", ["k8v4", "k3v4"])
-def test_planes_heuristic_is_close_to_the_measured_best_on_the_h200(tmp_path, preset):
-    """The same for the page-planar configs, whose heuristic differs (1 warp; 3 stages for fp8 keys)."""
+@pytest.mark.parametrize("preset,geomean,worst", [("k8v4", 1.02, 1.03), ("k4v4", 1.02, 1.03), ("k3v4", 1.02, 1.03),
+                                                  ("k3v3", 1.03, 1.15)])  # k3v3: the slots configs' bounds
+def test_planes_heuristic_is_close_to_the_measured_best_on_the_h200(tmp_path, preset, geomean, worst):
+    """The same for the page-planar configs, whose heuristic differs (1 warp; 3 stages but with
+    3-bit values or splits of one tile)."""
     module = emit.load(make_config(preset, cache_layout="planes"), tmp_path)
-    stem = "_kfp8_" if preset == "k8v4" else "_kmse"
+    stem = "_kfp8_v4_" if preset == "k8v4" else f"_kmse{preset[1]}_v{preset[3]}_"  # this preset's tables
     ratios = _heuristic_ratios(module, [t for t in _timing_tables(planes=True) if stem in t[0]])
     assert len(ratios) >= 4
-    assert _geomean(ratios) < 1.02 and max(ratios) < 1.03
+    assert _geomean(ratios) < geomean and max(ratios) < worst
 
 
 def test_a_bucket_without_valid_candidates_fails_alone(setup, tmp_path, monkeypatch):

@@ -23,8 +23,9 @@ Two cache layouts hold those slots (config `cache_layout`):
   kernels read a token's codes with loads as wide as its record allows (16 bytes
   when the record is a multiple of 16 bytes, as at head_dim 128) and the scale and
   zero with one 32-bit load. 3-bit codes are the one change inside a record: they are stored as
-  the 2-bit stream of each code's low bits followed by the 1-bit stream of its high
-  bits (same size), so that groups of 8 codes are 16- and 8-bit words.
+  the 2-bit stream of the codes' low bits followed by the 1-bit stream of their high
+  bits (same size), so that groups of 8 codes are 16- and 8-bit words; within a group
+  the codes take the orders SPLIT_LOW_ORDER and SPLIT_HIGH_ORDER (see there).
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ import dataclasses
 import math
 
 from .config import Config
+
+
+# Split 3-bit codes ("planes"), per group of 8: the code held by each 2-bit field of the
+# low word, and by each bit of the high byte. With these orders the low and high bits of
+# codes 0..3, and of codes 4..7, each reach the nibbles of a byte-permute selector (code
+# k at bits 4k..4k+2) with three masked shifts of the group word: decode's codebook lookup.
+SPLIT_LOW_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+SPLIT_HIGH_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def row_alignment(*sizes: int) -> int:
@@ -154,6 +163,17 @@ class Layout:
     def split_high_bits(self, bits: int) -> bool:
         """3-bit codes in "planes" are a 2-bit low stream then a 1-bit high stream."""
         return self.planes and bits == 3
+
+    def group_word_bit(self, bits: int, code: int, bit: int) -> int:
+        """Where bit `bit` of code `code` (0..7) of a group of 8 codes sits in the group's word,
+        as the kernels load it (`_load_*_words`): a little-endian bit stream, except split
+        3-bit codes, whose 2-bit low parts fill bits 0..15 and high bits 16..23 in the
+        orders SPLIT_LOW_ORDER and SPLIT_HIGH_ORDER."""
+        if self.split_high_bits(bits):
+            if bit < 2:
+                return 2 * SPLIT_LOW_ORDER.index(code) + bit
+            return 16 + SPLIT_HIGH_ORDER.index(code)
+        return bits * code + bit
 
     @property
     def high_bits_offset(self) -> int:

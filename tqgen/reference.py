@@ -23,7 +23,7 @@ import torch
 
 from .codebook import decision_boundaries, rotate_keys
 from .config import Config
-from .layout import Layout
+from .layout import SPLIT_HIGH_ORDER, SPLIT_LOW_ORDER, Layout
 
 FP8_MAX = 448.0
 
@@ -77,19 +77,25 @@ def _code_bits(layout: Layout, start: int) -> int | None:
 
 
 def _record_to_planes(record: torch.Tensor, layout: Layout, bits: int | None) -> torch.Tensor:
-    """A record's slot bytes -> its "planes" bytes (3-bit codes: low-bit stream, then high bits)."""
+    """A record's slot bytes -> its "planes" bytes (3-bit codes: low-bit stream, then high bits,
+    each group of 8 codes in the orders SPLIT_LOW_ORDER and SPLIT_HIGH_ORDER)."""
     if bits is None or not layout.split_high_bits(bits):
         return record
-    codes = unpack_codes(record, 3, layout.head_dim)
-    return torch.cat([pack_codes(codes & 3, 2), pack_codes(codes >> 2, 1)], dim=-1)
+    groups = unpack_codes(record, 3, layout.head_dim).unflatten(-1, (-1, 8))
+    low = (groups[..., list(SPLIT_LOW_ORDER)] & 3).flatten(-2)
+    high = (groups[..., list(SPLIT_HIGH_ORDER)] >> 2).flatten(-2)
+    return torch.cat([pack_codes(low, 2), pack_codes(high, 1)], dim=-1)
 
 
 def _record_from_planes(record: torch.Tensor, layout: Layout, bits: int | None) -> torch.Tensor:
     if bits is None or not layout.split_high_bits(bits):
         return record
-    low = unpack_codes(record[..., : layout.high_bits_offset], 2, layout.head_dim)
-    high = unpack_codes(record[..., layout.high_bits_offset:], 1, layout.head_dim)
-    return pack_codes(low | (high << 2), 3)
+    low = unpack_codes(record[..., : layout.high_bits_offset], 2, layout.head_dim).unflatten(-1, (-1, 8))
+    high = unpack_codes(record[..., layout.high_bits_offset:], 1, layout.head_dim).unflatten(-1, (-1, 8))
+    codes = torch.empty_like(low)
+    codes[..., list(SPLIT_LOW_ORDER)] = low
+    codes[..., list(SPLIT_HIGH_ORDER)] |= high << 2
+    return pack_codes(codes.flatten(-2), 3)
 
 
 def slots_to_pages(layout: Layout, slots: torch.Tensor) -> torch.Tensor:

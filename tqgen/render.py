@@ -17,7 +17,7 @@ import jinja2
 
 from . import __version__, buckets, codebook
 from .config import Config
-from .layout import Layout, row_alignment
+from .layout import SPLIT_HIGH_ORDER, SPLIT_LOW_ORDER, Layout, row_alignment
 
 MODULE_TEMPLATE = "module.py.jinja"
 # First arch with a hardware e4m3 -> fp16 converter that Triton uses.
@@ -87,6 +87,23 @@ def _tuning_summary(tuned: dict) -> str:
     return "; ".join(parts) + "; other shapes and devices use `decode_launch_defaults`."
 
 
+def nibble_selector(layout: Layout, bits: int, word: str, first_code: int) -> str:
+    """Expression that moves codes first_code..first_code+3 of a group word into the four
+    nibbles of a byte-permute selector (code k at bits 4k..). Bits moved by the same shift
+    share one mask, so a bit stream costs a shift and a mask per distinct distance."""
+    masks: dict[int, int] = {}  # right shift -> mask of the destination bits
+    for k in range(4):
+        for bit in range(bits):
+            target = 4 * k + bit
+            shift = layout.group_word_bit(bits, first_code + k, bit) - target
+            masks[shift] = masks.get(shift, 0) | (1 << target)
+    terms = []
+    for shift, mask in sorted(masks.items()):
+        moved = word if shift == 0 else f"({word} >> {shift})" if shift > 0 else f"({word} << {-shift})"
+        terms.append(f"({moved} & {mask:#x})")
+    return " | ".join(terms)
+
+
 def context(config: Config, tuned: dict | None = None) -> dict:
     """Everything the templates may read, computed from the (arch-resolved) config."""
     if config.arch == "auto":
@@ -118,6 +135,13 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         # Where the KV-head dim of the cache tensor is, and the strides its kernels take.
         "HEADS_DIM": 1 if layout.planes else 2,
         "row_alignment": row_alignment,  # for the kernels' tl.multiple_of hints
+        "split_orders": f"{SPLIT_LOW_ORDER} and {SPLIT_HIGH_ORDER}",
+        "word_bit": layout.group_word_bit,  # where each code bit of a group sits in its loaded word
+        "nibble_selector": lambda bits, word, first_code: nibble_selector(layout, bits, word, first_code),
+        # The codebook's byte tables (common.py.jinja): 4 entries per register, 8 entries at least;
+        # the low and high bytes of each fp16 centroid and of each fixed-point centroid square.
+        "centroid_tables": [f"{table}{i}" for table in ("low", "high", "square_low", "square_high")
+                            for i in range(max(2, 2**config.key_bits // 4))],
         "cache_strides": ("kv_cache.stride(0), kv_cache.stride(1)" if layout.planes
                           else "kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2)"),
         "cache_shape": (f"[num_blocks, num_kv_heads, {layout.page_bytes}] (page-planar)" if layout.planes
