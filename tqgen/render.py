@@ -138,10 +138,8 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         "split_orders": f"{SPLIT_LOW_ORDER} and {SPLIT_HIGH_ORDER}",
         "word_bit": layout.group_word_bit,  # where each code bit of a group sits in its loaded word
         "nibble_selector": lambda bits, word, first_code: nibble_selector(layout, bits, word, first_code),
-        # The codebook's byte tables (common.py.jinja): 4 entries per register, 8 entries at least;
-        # the low and high bytes of each fp16 centroid and of each fixed-point centroid square.
-        "centroid_tables": [f"{table}{i}" for table in ("low", "high", "square_low", "square_high")
-                            for i in range(max(2, 2**config.key_bits // 4))],
+        # int32 registers per codebook byte table (common.py.jinja): 4 entries each, 8 entries at least.
+        "table_registers": max(2, 2**config.key_bits // 4),
         "cache_strides": ("kv_cache.stride(0), kv_cache.stride(1)" if layout.planes
                           else "kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2)"),
         "cache_shape": (f"[num_blocks, num_kv_heads, {layout.page_bytes}] (page-planar)" if layout.planes
