@@ -10,11 +10,13 @@ give wrong outputs on purpose: they measure what that work costs.
 
 - base:          the module as rendered
 - select:        key centroids by a where-tree over 8 registers instead of a gather
+                 (kernels that gather: the slots layout; planes configs look centroids up with prmt)
 - nokey:         no key dequantization or key dots (scores = a sum of the key words)
 - novalue:       no value dots (the accumulators sum the value words)
 - nokey_novalue: both; what remains is loads, addressing and the softmax
 - nocorr:        no norm correction (centroid squares neither summed nor applied)
 - sqdot:         centroid squares summed by a tl.dot of fp16 squares against ones, not by tl.sum
+                 (slots layout only)
 - --module PATH: extra module files, e.g. rendered from an older commit with
                  `git stash; tqgen render CONFIG > old.py` (set arch: sm90 in the config)
 """
@@ -46,6 +48,8 @@ def _centroid_select(code, c0, c1, c2, c3, c4, c5, c6, c7):
 
 def variant(source: str, name: str) -> str:
     edited = source
+    if name in ("select", "sqdot") and not GATHER.search(edited):
+        raise SystemExit(f"variant {name!r} needs a kernel that gathers centroids (the slots layout)")
     if name == "select":
         edited = edited.replace("@triton.jit\ndef tq_decode_stage1(", SELECT_HELPER + "\n@triton.jit\ndef tq_decode_stage1(")
         loads = "; ".join(f"centroid{i} = tl.load(centroids_ptr + {i})" for i in range(8))

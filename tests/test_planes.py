@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import PRESETS, check_decode, codebook_kwargs, make_config, stored_cache
-from tqgen import config as config_mod, reference, tune
+from tqgen import config as config_mod, reference, render, tune
 from tqgen.errors import ConfigError
-from tqgen.layout import Layout, row_alignment
+from tqgen.layout import SPLIT_HIGH_ORDER, SPLIT_LOW_ORDER, Layout, row_alignment
 from tqgen.testing import paged_batch, relative_error
-from tqgen.verify import DEQUANT_TOLERANCE
+from tqgen.verify import DECODE_TOLERANCE, DEQUANT_TOLERANCE
 
 SENTINEL = 0xA5
 
@@ -71,6 +71,39 @@ def test_3bit_codes_split_into_low_and_high_streams():
     # codes 2,6,3,7 (2,2,3,3). High bits 0,0,0,0,1,1,1,1 in the order 0,2,4,6,1,3,5,7: 0b11001100.
     assert torch.all(record[:32:2] == 0b01010000) and torch.all(record[1:32:2] == 0b11111010)
     assert torch.all(record[32:] == 0b11001100)
+
+
+def test_split_3bit_word_bits_match_the_orders_and_the_store():
+    """group_word_bit (decode's selectors, code_of) is a bijection onto the 24 bits of a group,
+    and agrees with SPLIT_*_ORDER and with the store's pack formulas (codes.jinja)."""
+    layout = Layout.from_config(planes_config("k3v4"))
+    positions = [layout.group_word_bit(3, code, bit) for code in range(8) for bit in range(3)]
+    assert sorted(positions) == list(range(24))
+    for code in range(8):
+        assert layout.group_word_bit(3, code, 0) == 2 * SPLIT_LOW_ORDER.index(code) == code % 4 * 4 + code // 4 * 2
+        assert layout.group_word_bit(3, code, 1) == layout.group_word_bit(3, code, 0) + 1
+        assert layout.group_word_bit(3, code, 2) == 16 + SPLIT_HIGH_ORDER.index(code) == 16 + code % 2 * 4 + code // 2
+
+
+@pytest.mark.parametrize("layout_name", ["slots", "planes"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_nibble_selectors_hold_each_code_in_its_nibble(layout_name, bits):
+    """The rendered selector expressions, evaluated in int32 like the kernel: nibble k of the
+    selector for codes first..first+3 is code first+k of the group word."""
+    import numpy as np
+
+    layout = Layout.from_config(make_config("k3v4" if bits == 3 else "k4v4", key_bits=bits,
+                                            cache_layout=layout_name))
+    generator = np.random.default_rng(bits)
+    words = generator.integers(0, 1 << (8 * bits), size=4096, dtype=np.int64)
+    if layout.split_high_bits(bits):
+        words = words & 0xFFFFFF
+    word = words.astype(np.uint32).view(np.int32)  # the kernel's int32 words (sign bit included)
+    for first in (0, 4):
+        selector = eval(render.nibble_selector(layout, bits, "word", first), {"word": word}).astype(np.int64)
+        for k in range(4):
+            code = sum(((words >> layout.group_word_bit(bits, first + k, bit)) & 1) << bit for bit in range(bits))
+            assert np.array_equal((selector >> (4 * k)) & 0xF, code), (first, k)
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -179,9 +212,10 @@ def test_planes_cache_is_the_slots_cache_relaid(device, build_module, preset):
     from_slots = build_module(slots).decode(query, slots_cache, batch.block_table, batch.seq_lens, **kwargs)
     want = reference.decode(slots, query.cpu(), slots_cache.cpu(), batch.block_table.cpu(), batch.seq_lens.cpu(),
                             *(kwargs[k].cpu() if k in kwargs else None for k in ("rotation", "centroids")))
-    planes_error, slots_error = relative_error(from_planes.cpu(), want), relative_error(from_slots.cpu(), want)
-    assert planes_error <= 1.05 * slots_error + 1e-6, (planes_error, slots_error)
-    assert relative_error(from_planes, from_slots) < 2 * slots_error + 1e-6
+    # Both kernels are about 4e-4 from the float64 reference (fp16 query and centroids) and
+    # at most 2.7e-4 from each other over 36 seeds of these presets.
+    assert relative_error(from_planes.cpu(), want) < DECODE_TOLERANCE[torch.float32]
+    assert relative_error(from_planes, from_slots) < 5e-4
 
 
 @pytest.mark.parametrize("preset,head_dim", [(p, 128) for p in sorted(PRESETS)]
@@ -189,6 +223,28 @@ def test_planes_cache_is_the_slots_cache_relaid(device, build_module, preset):
 def test_decode_matches_reference(device, build_module, preset, head_dim):
     config = planes_config(preset, head_dim)
     check_decode(build_module(config), config, device, [1, 15, 17, 300, 0])
+
+
+@pytest.mark.parametrize("key_bits", [2, 3, 4])
+def test_decode_with_an_unsorted_asymmetric_codebook(device, build_module, key_bits):
+    """The register byte tables come from the centroids passed, whatever their order and signs
+    (the default codebook is sorted and symmetric): decode with a shuffled one. The store
+    assumes sorted centroids, so these codes quantize badly; decode must still look up
+    exactly the entries the reference does."""
+    config = planes_config("k4v4", key_bits=key_bits)
+    module = build_module(config)
+    generator = torch.Generator().manual_seed(key_bits)
+    count = 2 ** key_bits
+    centroids = (torch.randn(count, generator=generator) * 0.3 / math.sqrt(128))[torch.randperm(count, generator=generator)]
+    centroids[count // 2] = 0.0
+    codebook = dict(rotation=module.default_rotation(device), centroids=centroids.to(device))
+    batch = paged_batch(config, [5, 40], 2, device=device, generator=generator)
+    cache = module.make_cache(batch.num_blocks, 2, device)
+    module.store(batch.key, batch.value, cache, batch.slot_mapping, **codebook)
+    query = torch.randn(2, 8, 128, generator=generator).to(device)
+    out = module.decode(query, cache, batch.block_table, batch.seq_lens, **codebook)
+    want = reference.decode(config, query, cache, batch.block_table, batch.seq_lens, **codebook)
+    assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("fields", [dict(key_format="mse", key_bits=2, value_bits=2),

@@ -41,7 +41,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     from . import emit, render
-    from .layout import Layout
+    from .layout import SPLIT_HIGH_ORDER, SPLIT_LOW_ORDER, Layout
 
     config = emit.as_config(args.config)
     layout = Layout.from_config(config)
@@ -66,6 +66,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         if layout.split_high_bits(layout.key_bits) or layout.split_high_bits(layout.value_bits):
             print(f"  3-bit codes: the 2-bit low stream, then the 1-bit high stream from record byte "
                   f"{layout.high_bits_offset}")
+            print(f"  in each group of 8 codes, 2-bit field i holds code {SPLIT_LOW_ORDER}[i], "
+                  f"high bit i code {SPLIT_HIGH_ORDER}[i]")
     _show_tuned(config, args.tuned_dir)
     return 0
 

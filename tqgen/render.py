@@ -100,8 +100,8 @@ def nibble_selector(layout: Layout, bits: int, word: str, first_code: int) -> st
     terms = []
     for shift, mask in sorted(masks.items()):
         moved = word if shift == 0 else f"({word} >> {shift})" if shift > 0 else f"({word} << {-shift})"
-        terms.append(f"({moved} & {mask:#x})")
-    return " | ".join(terms)
+        terms.append(f"({moved} & 0x{mask:X})")
+    return terms[0][1:-1] if len(terms) == 1 else " | ".join(terms)
 
 
 def context(config: Config, tuned: dict | None = None) -> dict:
@@ -135,7 +135,7 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         # Where the KV-head dim of the cache tensor is, and the strides its kernels take.
         "HEADS_DIM": 1 if layout.planes else 2,
         "row_alignment": row_alignment,  # for the kernels' tl.multiple_of hints
-        "split_orders": f"{SPLIT_LOW_ORDER} and {SPLIT_HIGH_ORDER}",
+        "split_orders": (SPLIT_LOW_ORDER, SPLIT_HIGH_ORDER),
         "word_bit": layout.group_word_bit,  # where each code bit of a group sits in its loaded word
         "nibble_selector": lambda bits, word, first_code: nibble_selector(layout, bits, word, first_code),
         # int32 registers per codebook byte table (common.py.jinja): 4 entries each, 8 entries at least.
