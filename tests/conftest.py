@@ -67,20 +67,23 @@ def codebook_kwargs(module, config, device):
     return testing.codebook_kwargs(module, device)
 
 
-def stored_cache(module, config, seq_lens, device, num_kv_heads=2, seed=0):
-    """A random ragged batch (testing.paged_batch) stored into a fresh cache by the module: (batch, cache)."""
+def stored_cache(module, config, seq_lens, device, num_kv_heads=2, seed=0, codebook=None):
+    """A random ragged batch (testing.paged_batch) stored into a fresh cache by the module: (batch, cache).
+    `codebook` (rotation/centroids keyword arguments) replaces the module's defaults."""
     batch = testing.paged_batch(config, seq_lens, num_kv_heads, device=device,
                                 generator=torch.Generator().manual_seed(seed))
     cache = module.make_cache(batch.num_blocks, num_kv_heads, device)
-    module.store(batch.key, batch.value, cache, batch.slot_mapping, **codebook_kwargs(module, config, device))
+    kwargs = codebook if codebook is not None else codebook_kwargs(module, config, device)
+    module.store(batch.key, batch.value, cache, batch.slot_mapping, **kwargs)
     return batch, cache
 
 
 def check_decode(module, config, device, seq_lens, num_kv_heads=2, group_size=4, dtype=torch.float32, seed=0,
-                  **launch):
-    """Decode a random ragged batch with the module and compare it with the float64 reference; returns the output."""
-    batch, cache = stored_cache(module, config, seq_lens, device, num_kv_heads, seed)
-    kwargs = codebook_kwargs(module, config, device)
+                  codebook=None, **launch):
+    """Decode a random ragged batch with the module and compare it with the float64 reference; returns the output.
+    `codebook` (rotation/centroids keyword arguments) replaces the module's defaults."""
+    batch, cache = stored_cache(module, config, seq_lens, device, num_kv_heads, seed, codebook)
+    kwargs = codebook if codebook is not None else codebook_kwargs(module, config, device)
     generator = torch.Generator().manual_seed(seed + 100)
     query = torch.randn(len(seq_lens), num_kv_heads * group_size, config.head_dim, generator=generator)
     query = query.to(device=device, dtype=dtype)

@@ -210,11 +210,10 @@ def test_planes_cache_is_the_slots_cache_relaid(device, build_module, preset):
     query = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(5)).to(device)
     from_planes = build_module(planes).decode(query, planes_cache, batch.block_table, batch.seq_lens, **kwargs)
     from_slots = build_module(slots).decode(query, slots_cache, batch.block_table, batch.seq_lens, **kwargs)
-    want = reference.decode(slots, query.cpu(), slots_cache.cpu(), batch.block_table.cpu(), batch.seq_lens.cpu(),
-                            *(kwargs[k].cpu() if k in kwargs else None for k in ("rotation", "centroids")))
+    want = reference.decode(slots, query, slots_cache, batch.block_table, batch.seq_lens, **kwargs)
     # Both kernels are about 4e-4 from the float64 reference (fp16 query and centroids) and
     # at most 2.7e-4 from each other over 36 seeds of these presets.
-    assert relative_error(from_planes.cpu(), want) < DECODE_TOLERANCE[torch.float32]
+    assert relative_error(from_planes, want) < DECODE_TOLERANCE[torch.float32]
     assert relative_error(from_planes, from_slots) < 5e-4
 
 
@@ -238,13 +237,7 @@ def test_decode_with_an_unsorted_asymmetric_codebook(device, build_module, key_b
     centroids = (torch.randn(count, generator=generator) * 0.3 / math.sqrt(128))[torch.randperm(count, generator=generator)]
     centroids[count // 2] = 0.0
     codebook = dict(rotation=module.default_rotation(device), centroids=centroids.to(device))
-    batch = paged_batch(config, [5, 40], 2, device=device, generator=generator)
-    cache = module.make_cache(batch.num_blocks, 2, device)
-    module.store(batch.key, batch.value, cache, batch.slot_mapping, **codebook)
-    query = torch.randn(2, 8, 128, generator=generator).to(device)
-    out = module.decode(query, cache, batch.block_table, batch.seq_lens, **codebook)
-    want = reference.decode(config, query, cache, batch.block_table, batch.seq_lens, **codebook)
-    assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
+    check_decode(module, config, device, [5, 40], seed=key_bits, codebook=codebook)
 
 
 @pytest.mark.parametrize("fields", [dict(key_format="mse", key_bits=2, value_bits=2),

@@ -63,7 +63,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(f"  {'record':28s}{'plane at':>8s}{'bytes per token':>17s}")
         for name, offset, size in layout.records():
             print(f"  {name:28s}{layout.plane_offset(offset):8d}{size:17d}")
-        if layout.split_high_bits(layout.key_bits) or layout.split_high_bits(layout.value_bits):
+        if layout.has_split_codes:
             print(f"  3-bit codes: the 2-bit low stream, then the 1-bit high stream from record byte "
                   f"{layout.high_bits_offset}")
             print(f"  in each group of 8 codes, 2-bit field i holds code {SPLIT_LOW_ORDER}[i], "

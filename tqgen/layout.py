@@ -164,6 +164,11 @@ class Layout:
         """3-bit codes in "planes" are a 2-bit low stream then a 1-bit high stream."""
         return self.planes and bits == 3
 
+    @property
+    def has_split_codes(self) -> bool:
+        """Whether the key or the value codes are split 3-bit codes."""
+        return self.split_high_bits(self.key_bits) or self.split_high_bits(self.value_bits)
+
     def group_word_bit(self, bits: int, code: int, bit: int) -> int:
         """Where bit `bit` of code `code` (0..7) of a group of 8 codes sits in the group's word,
         as the kernels load it (`_load_*_words`): a little-endian bit stream, except split

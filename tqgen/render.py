@@ -129,7 +129,7 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         "PAGE": config.block_size,
         "planes": layout.planes,
         "layout_records": layout.records(),
-        "split_3bit": layout.split_high_bits(config.key_bits) or layout.split_high_bits(config.value_bits),
+        "split_3bit": layout.has_split_codes,
         # The arguments that locate a token in the cache, as the kernels' helpers take them.
         "cache_at": "page_base, pos" if layout.planes else "slot_base",
         # Where the KV-head dim of the cache tensor is, and the strides its kernels take.
