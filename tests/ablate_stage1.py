@@ -2,9 +2,10 @@
 
     python3 tests/ablate_stage1.py [--config configs/k3v4-d128.yaml] [--module OLD.py ...]
                                    [--variants base nokey ...] [--launch 1:32:1:8 ...]
+                                   [--shape 1x4096]
 
 Each variant edits the rendered source of the config's module, imports it and
-times the whole decode call (CUDA-graph replay) at 32 x 8192 for a few
+times the whole decode call (CUDA-graph replay) at 32 x 8192 (--shape) for a few
 launches, against the copy ceiling of the same run. Variants that drop work
 give wrong outputs on purpose: they measure what that work costs.
 
@@ -14,6 +15,8 @@ give wrong outputs on purpose: they measure what that work costs.
 - nokey:         no key dequantization or key dots (scores = a sum of the key words)
 - novalue:       no value dots (the accumulators sum the value words)
 - nokey_novalue: both; what remains is loads, addressing and the softmax
+- noop:          every split exits at once (what remains is the launches, the seq_lens
+                 load and stage 2: the floor at batch 1)
 - nocorr:        no norm correction (centroid squares neither summed nor applied)
 - sqdot:         centroid squares summed by a tl.dot of fp16 squares against ones, not by tl.sum
                  (slots layout only)
@@ -67,6 +70,8 @@ def variant(source: str, name: str) -> str:
         edited = edited.replace("key_norm / tl.sqrt(centroid_sq + 1e-16)", "key_norm / tl.sqrt(tl.max(centroid_sq, axis=0) + 1e-16)")
         edited = edited.replace("    table_row_ptr = block_table_ptr",
                                 f"    ones_rows = tl.full([BLOCK_H, {groups}], 1.0, tl.float16)\n    table_row_ptr = block_table_ptr", 1)
+    if name == "noop":
+        edited = edited.replace("    if split_start >= split_end:\n", "    if split_start >= 0:  # ablation: no split has work\n")
     if name == "nocorr":
         edited = re.sub(r"\n *centroid_sq (\+)?= .*", "", edited)
         edited = edited.replace("key_norm = key_norm / tl.sqrt(centroid_sq + 1e-16)", "pass")
@@ -101,12 +106,13 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["base", "select", "nokey", "novalue", "nokey_novalue"])
     parser.add_argument("--launch", nargs="+", default=[],
                         help="launches as warps:block_kv:stages:splits (default: kv32 w1 sp8, kv64 w2 sp16, 1 stage)")
+    parser.add_argument("--shape", default="32x8192", help="batch x context (default 32x8192)")
     args = parser.parse_args()
     launches = [dict(zip(("num_warps", "block_kv", "num_stages", "num_splits"), map(int, text.split(":"))))
                 for text in args.launch] or [dict(launch, num_stages=1) for launch in LAUNCHES]
     config = emit.as_config(args.config)
     source = render.render(config)
-    batch, context = 32, 8192
+    batch, context = map(int, args.shape.split("x"))
     ceiling = bench.copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s; {config.name} at {batch} x {context}; graph replay", flush=True)
     folder = tempfile.mkdtemp(prefix="tqgen-ablate-")

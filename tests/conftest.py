@@ -79,14 +79,18 @@ def stored_cache(module, config, seq_lens, device, num_kv_heads=2, seed=0, codeb
 
 
 def check_decode(module, config, device, seq_lens, num_kv_heads=2, group_size=4, dtype=torch.float32, seed=0,
-                  codebook=None, **launch):
+                  codebook=None, strided_query=False, **launch):
     """Decode a random ragged batch with the module and compare it with the float64 reference; returns the output.
-    `codebook` (rotation/centroids keyword arguments) replaces the module's defaults."""
+    `codebook` (rotation/centroids keyword arguments) replaces the module's defaults; `strided_query` passes
+    the query as a view whose head dim is not contiguous."""
     batch, cache = stored_cache(module, config, seq_lens, device, num_kv_heads, seed, codebook)
     kwargs = codebook if codebook is not None else codebook_kwargs(module, config, device)
     generator = torch.Generator().manual_seed(seed + 100)
     query = torch.randn(len(seq_lens), num_kv_heads * group_size, config.head_dim, generator=generator)
     query = query.to(device=device, dtype=dtype)
+    if strided_query:  # same values, laid out [head_dim, heads, batch] underneath
+        query = query.permute(2, 1, 0).contiguous().permute(2, 1, 0)
+        assert query.stride(2) != 1
     out = module.decode(query, cache, batch.block_table, batch.seq_lens, **kwargs, **launch)
     want = reference.decode(config, query, cache, batch.block_table, batch.seq_lens,
                             kwargs.get("rotation"), kwargs.get("centroids"))

@@ -9,7 +9,9 @@ set -u
 out=${1:-${OUT:-/tmp/tqgen-gpu}}
 steps=${TQGEN_GPU_STEPS:-tests sanitize bench}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 TQGEN_CACHE_DIR="$out/modules"
+# Modules are built outside OUT: the device tool returns only a few files from OUT,
+# and a dozen generated modules there crowded out the logs and tuned files.
+export PYTHONUNBUFFERED=1 TQGEN_CACHE_DIR="${TQGEN_CACHE_DIR:-/tmp/tqgen-gpu-modules}"
 python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}')"
 status=0
 if [[ $steps == *tests* ]]; then

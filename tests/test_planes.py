@@ -159,6 +159,22 @@ def test_slots_configs_keep_their_hash_and_planes_configs_get_their_own():
     assert "_planes_" in planes.artifact_name() and "planes" not in implicit.artifact_name()
 
 
+@pytest.mark.parametrize("preset,layout", [("k3v4", "planes"), ("k8v4", "planes"), ("k3v4", "slots"), ("k8v4", "slots")])
+def test_who_prepares_the_query(preset, layout):
+    """Page-planar modules prepare the query in Triton (tq_prepare_query for MSE keys, stage 1 for fp8
+    keys) and their tuning depends on it; slots modules keep the torch ops until their tables are
+    re-tuned (render.context's fused_query_prep)."""
+    config = make_config(preset, cache_layout=layout)
+    source = render.render(config)
+    torch_ops = "prepared = (query.to(torch.float32) @ rotation)" if preset == "k3v4" else \
+        "prepared = query.to(torch.float32) * (scale * _LOG2E)"
+    assert ("def tq_prepare_query(" in source) == (layout == "planes" and preset == "k3v4")
+    assert (torch_ops in source) == (layout == "slots")
+    assert ("score_scale," in source.split("def tq_decode_stage1(")[1].split("):")[0]) == \
+        (layout == "planes" and preset == "k8v4")
+    assert ("decode_prepare.py.jinja" in render.decode_templates(config)) == (layout == "planes")
+
+
 # --- kernels -----------------------------------------------------------------
 ODD_FORMATS = [  # record sizes that are not multiples of 16 bytes: narrower loads, other hints
     dict(key_format="mse", key_bits=4, value_bits=8, head_dim=72, block_size=8),
@@ -222,6 +238,27 @@ def test_planes_cache_is_the_slots_cache_relaid(device, build_module, preset):
 def test_decode_matches_reference(device, build_module, preset, head_dim):
     config = planes_config(preset, head_dim)
     check_decode(build_module(config), config, device, [1, 15, 17, 300, 0])
+
+
+@pytest.mark.parametrize("preset,head_dim", [("k8v4", 128), ("k3v4", 128), ("k3v4", 96), ("k4v4", 256)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_decode_reads_a_query_of_any_float_dtype_and_strides(device, build_module, preset, head_dim, dtype):
+    """Page-planar modules read the caller's query in Triton (stage 1 scales it for fp8 keys;
+    tq_prepare_query rotates it for MSE keys, 16 rows x 16 head dims per program, so 24 rows
+    leave a partial row block and 96 head dims a masked one)."""
+    config = planes_config(preset, head_dim)
+    check_decode(build_module(config), config, device, [40, 9, 17], dtype=dtype, strided_query=True)
+
+
+def test_stage2_ignores_what_empty_splits_left_in_the_workspace(device, build_module):
+    """Page-planar stage 2 loads every split's partial output before it knows which splits are
+    empty; an empty split's output is whatever the workspace held (NaN here) and must not leak."""
+    config = planes_config("k3v4")
+    module = build_module(config)
+    workspace = module.DecodeWorkspace(max_batch=3, num_q_heads=8, max_splits=16, device=device)
+    workspace.partial_out.fill_(float("nan"))
+    out = check_decode(module, config, device, [5, 0, 70], workspace=workspace, num_splits=16)
+    assert (out[1] == 0).all()
 
 
 @pytest.mark.parametrize("key_bits", [2, 3, 4])

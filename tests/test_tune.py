@@ -260,10 +260,10 @@ def test_heuristic_is_close_to_the_measured_best_on_the_h200(setup):
     assert _geomean(ratios) < 1.03 and max(ratios) < 1.15
 
 
-# k4v4 at 1 x 4096: 32- and 64-token tiles differ by 0.8 us (3.3%), run-to-run noise at that size;
-# k3v3: the slots configs' bounds (it picks 4 splits at batch 32 where 16 measured best).
+# k4v4 at 1 x 4096: 32- and 64-token tiles differ by 0.4-0.8 us (2.4-3.3% in two tuning runs), run-to-run
+# noise at that size.
 @pytest.mark.parametrize("preset,geomean,worst", [("k8v4", 1.02, 1.03), ("k4v4", 1.02, 1.04), ("k3v4", 1.02, 1.03),
-                                                  ("k3v3", 1.03, 1.15)])
+                                                  ("k3v3", 1.02, 1.03)])
 def test_planes_heuristic_is_close_to_the_measured_best_on_the_h200(tmp_path, preset, geomean, worst):
     """The same for the page-planar configs, whose heuristic differs (1 warp; 3 stages but with
     3-bit values or splits of one tile)."""
@@ -323,11 +323,17 @@ def test_only_decode_kernel_edits_invalidate_a_tuned_file(setup, tmp_path, monke
         with open(copy / outside, "a") as handle:
             handle.write("# an edit outside the decode path\n")
         assert "Test GPU" in tuned.baked_launches(tmp_path / "tuned", config, warnings.append) and not warnings
+    used = render.decode_templates(config)
+    assert "decode_prepare.py.jinja" not in used  # a slots config: the query kernel is page-planar only
     pristine = {name: (copy / name).read_text() for name in render.DECODE_KERNEL_TEMPLATES}
-    for inside in render.DECODE_KERNEL_TEMPLATES:
-        with open(copy / inside, "a") as handle:
+    for template in render.DECODE_KERNEL_TEMPLATES:
+        with open(copy / template, "a") as handle:
             handle.write("# an edit on the decode path\n")
-        assert tuned.baked_launches(tmp_path / "tuned", config, warnings.append) == {}, inside
-        assert "kernel_hash" in warnings[-1] and str(path) in warnings[-1]
-        (copy / inside).write_text(pristine[inside])
-    assert len(warnings) == len(render.DECODE_KERNEL_TEMPLATES)
+        baked = tuned.baked_launches(tmp_path / "tuned", config, warnings.append)
+        if template in used:
+            assert baked == {}, template
+            assert "kernel_hash" in warnings[-1] and str(path) in warnings[-1]
+        else:
+            assert "Test GPU" in baked, template
+        (copy / template).write_text(pristine[template])
+    assert len(warnings) == len(used)

@@ -128,6 +128,13 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         "GROUPS": max(16, _next_power_of_two(config.head_dim // 8)),
         "PAGE": config.block_size,
         "planes": layout.planes,
+        # The batch-1 latency changes of 2026-11-29 (BENCHMARKS.md): the query prepared by Triton (in
+        # stage 1 for fp8 keys, by tq_prepare_query for MSE keys) instead of 3-4 torch ops, and stage 2
+        # issuing both its loads at once. Page-planar only for now: the slots layout's H200 tables are
+        # keyed on its rendered decode source and could not be re-tuned yet. Once they are, set both
+        # to True for every layout and delete the other branches (they are the earlier code verbatim).
+        "fused_query_prep": layout.planes,
+        "stage2_one_round_trip": layout.planes,
         "layout_records": layout.records(),
         "split_3bit": layout.has_split_codes,
         # The arguments that locate a token in the cache, as the kernels' helpers take them.
@@ -174,10 +181,16 @@ def _tidy(source: str) -> str:
     return re.sub(r"\n{4,}", "\n\n\n", text)
 
 
-# What decode's tuned launches depend on: the two decode kernels, the helpers they call and the
+# What decode's tuned launches depend on: the decode kernels, the helpers they call and the
 # launcher that the tuner times (query preparation, grids, stage 2's launch).
-DECODE_KERNEL_TEMPLATES = ("common.py.jinja", "decode_stage1.py.jinja", "decode_stage2.py.jinja",
-                           "decode_launcher.py.jinja")
+DECODE_KERNEL_TEMPLATES = ("common.py.jinja", "decode_prepare.py.jinja", "decode_stage1.py.jinja",
+                           "decode_stage2.py.jinja", "decode_launcher.py.jinja")
+
+
+def decode_templates(config: Config) -> list[str]:
+    """The DECODE_KERNEL_TEMPLATES that this config's module uses (no query kernel without fused_query_prep)."""
+    uses_query_kernel = context(config)["fused_query_prep"]
+    return [name for name in DECODE_KERNEL_TEMPLATES if name != "decode_prepare.py.jinja" or uses_query_kernel]
 
 
 def decode_kernel_hash(config: Config) -> str:
@@ -192,7 +205,7 @@ def decode_kernel_hash(config: Config) -> str:
     environment = _environment()
     values = context(config)
     digest = hashlib.sha256()
-    for name in DECODE_KERNEL_TEMPLATES:
+    for name in decode_templates(config):
         digest.update(name.encode() + b"\0" + environment.get_template(name).render(**values).encode() + b"\0")
     return digest.hexdigest()
 
