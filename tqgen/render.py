@@ -188,7 +188,9 @@ DECODE_KERNEL_TEMPLATES = ("common.py.jinja", "decode_prepare.py.jinja", "decode
 
 
 def decode_templates(config: Config) -> list[str]:
-    """The DECODE_KERNEL_TEMPLATES that this config's module uses (no query kernel without fused_query_prep)."""
+    """The DECODE_KERNEL_TEMPLATES that this config's tuning depends on: all but the query kernel's
+    template, which comes with fused_query_prep. Page-planar configs with fp8 keys keep it in their
+    hash although their module has no query kernel: their H200 files were tuned that way."""
     uses_query_kernel = context(config)["fused_query_prep"]
     return [name for name in DECODE_KERNEL_TEMPLATES if name != "decode_prepare.py.jinja" or uses_query_kernel]
 
