@@ -83,8 +83,8 @@ def check_decode(module, config, device, seq_lens, num_kv_heads=2, group_size=4,
     """Decode a random ragged batch with the module and compare it with the float64 reference; returns the output.
     `codebook` (rotation/centroids keyword arguments) replaces the module's defaults; `strided_query` passes
     the query as a view whose head dim is not contiguous."""
-    batch, cache = stored_cache(module, config, seq_lens, device, num_kv_heads, seed, codebook)
     kwargs = codebook if codebook is not None else codebook_kwargs(module, config, device)
+    batch, cache = stored_cache(module, config, seq_lens, device, num_kv_heads, seed, kwargs)
     generator = torch.Generator().manual_seed(seed + 100)
     query = torch.randn(len(seq_lens), num_kv_heads * group_size, config.head_dim, generator=generator)
     query = query.to(device=device, dtype=dtype)

@@ -191,8 +191,12 @@ def decode_templates(config: Config) -> list[str]:
     """The DECODE_KERNEL_TEMPLATES that this config's tuning depends on: all but the query kernel's
     template, which comes with fused_query_prep. Page-planar configs with fp8 keys keep it in their
     hash although their module has no query kernel: their H200 files were tuned that way."""
-    uses_query_kernel = context(config)["fused_query_prep"]
-    return [name for name in DECODE_KERNEL_TEMPLATES if name != "decode_prepare.py.jinja" or uses_query_kernel]
+    return _decode_templates(context(config))
+
+
+def _decode_templates(values: dict) -> list[str]:
+    return [name for name in DECODE_KERNEL_TEMPLATES
+            if name != "decode_prepare.py.jinja" or values["fused_query_prep"]]
 
 
 def decode_kernel_hash(config: Config) -> str:
@@ -207,7 +211,7 @@ def decode_kernel_hash(config: Config) -> str:
     environment = _environment()
     values = context(config)
     digest = hashlib.sha256()
-    for name in decode_templates(config):
+    for name in _decode_templates(values):
         digest.update(name.encode() + b"\0" + environment.get_template(name).render(**values).encode() + b"\0")
     return digest.hexdigest()
 
