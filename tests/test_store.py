@@ -72,6 +72,29 @@ def test_fp8_keys_round_to_nearest_even_and_saturate(device, build_module):
     assert torch.equal(cache.cpu(), expected.cpu())
 
 
+@pytest.mark.parametrize("layout", ["slots", "planes"])
+def test_unvalidated_slots_past_the_cache_are_skipped_not_written_out_of_bounds(device, build_module, layout):
+    """validate=False (and CUDA-graph capture) skip the host check of slot_mapping: the kernel
+    must then drop slots past the cache, never write past its end."""
+    config = make_config("k3v4", cache_layout=layout)
+    module = build_module(config)
+    kwargs = codebook_kwargs(module, config, device)
+    reference_cache = module.make_cache(4, 2, device)
+    guarded = torch.full((2 * reference_cache.numel() + 64,), SENTINEL, dtype=torch.uint8, device=device)
+    cache = guarded[: reference_cache.numel()].view(reference_cache.shape)
+    cache.fill_(0)
+    key = torch.randn(4, 2, 128, device=device, generator=torch.Generator(device).manual_seed(3))
+    value = torch.randn(4, 2, 128, device=device, generator=torch.Generator(device).manual_seed(4))
+    num_slots = 4 * config.block_size
+    slots = torch.tensor([0, num_slots, 5, num_slots + 7], device=device)
+    with pytest.raises(module.LaunchError, match=f"slot_mapping has slot {num_slots + 7}"):
+        module.store(key, value, cache, slots, **kwargs)
+    module.store(key, value, cache, slots, validate=False, **kwargs)
+    assert torch.all(guarded[cache.numel():] == SENTINEL), "bytes written past the cache"
+    module.store(key[::2], value[::2], reference_cache, slots[::2], **kwargs)
+    assert torch.equal(cache, reference_cache)  # the in-range tokens, and nothing else
+
+
 def test_store_rejects_bad_arguments(device, build_module):
     config = make_config("k3v4")
     module = build_module(config)
