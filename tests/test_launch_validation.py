@@ -452,3 +452,38 @@ def test_validate_false_seq_lens_past_the_table_are_cut_at_the_table(make_ctx, d
     out = _decode(ctx, table, long, num_splits=2, validate=False)
     cut = _decode(ctx, table, torch.tensor([capacity, 5], dtype=torch.int32, device=device), num_splits=2)
     assert torch.isfinite(out).all() and torch.equal(out, cut)
+
+
+def test_old_triton_interpreters_read_scalar_indices_whatever_numpy(build_module, monkeypatch):
+    """Triton's interpreter before 3.8 read a scalar tensor's index with int(data), which numpy >= 2.4
+    refuses for the 1-element arrays it keeps scalars in; the module wraps that patch on those
+    versions only, once, so loops over loaded bounds run on the CPU."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    module = build_module(make_config("k3v4"))
+    patched = []
+
+    def original(tensor, scope):
+        patched.append(tensor)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    class Scope:
+        def set_attr(self, obj, name, value):
+            setattr(obj, name, value)
+
+    class Scalar:  # what the interpreter holds a loaded scalar in
+        class handle:
+            data = np.array([7])
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", original, raising=False)
+    monkeypatch.setattr(module.triton, "__version__", "3.8.0")
+    module._fix_interpreter_index()
+    assert interpreter._patch_lang_tensor is original
+    monkeypatch.setattr(module.triton, "__version__", "3.6.0")
+    module._fix_interpreter_index()
+    wrapped = interpreter._patch_lang_tensor
+    module._fix_interpreter_index()  # another module's import does not wrap it twice
+    assert interpreter._patch_lang_tensor is wrapped is not original
+    wrapped(Scalar, Scope())
+    assert patched == [Scalar] and len(range(Scalar())) == 7
