@@ -96,16 +96,13 @@ def test_fp8_keys_portable_decode_path(device, build_module):
     check_decode(build_module(config), config, device, [50, 3])
 
 
-def test_slots_modules_and_a_query_with_a_strided_head_dim(device, build_module):
-    """Slots modules prepare the query in torch. MSE keys: the rotation's output is contiguous, so
-    any query strides work. fp8 keys: the scaled query keeps the caller's strides and stage 1 reads
-    the head dim with stride 1, so such a query is refused with a clear error, not read wrongly."""
-    config = make_config("k3v4")
-    check_decode(build_module(config), config, device, [40, 9], strided_query=True)
-    config = make_config("k8v4")
-    module = build_module(config)
-    with pytest.raises(module.LaunchError, match=r"query's head dim must be contiguous \(stride 1\)"):
-        check_decode(module, config, device, [40, 9], strided_query=True)
+@pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_query_of_any_float_dtype_and_strides(device, build_module, preset, dtype):
+    """The query is read by Triton (stage 1 scales it for fp8 keys, tq_prepare_query rotates it for
+    MSE keys), strides and all; the fp8 path once read a strided head dim as contiguous."""
+    config = make_config(preset)
+    check_decode(build_module(config), config, device, [40, 9, 17], dtype=dtype, strided_query=True)
 
 
 def test_seq_len_zero_gives_zeros(device, build_module):

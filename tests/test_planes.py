@@ -161,18 +161,13 @@ def test_slots_configs_keep_their_hash_and_planes_configs_get_their_own():
 
 @pytest.mark.parametrize("preset,layout", [("k3v4", "planes"), ("k8v4", "planes"), ("k3v4", "slots"), ("k8v4", "slots")])
 def test_who_prepares_the_query(preset, layout):
-    """Page-planar modules prepare the query in Triton (tq_prepare_query for MSE keys, stage 1 for fp8
-    keys) and their tuning depends on it; slots modules keep the torch ops until their tables are
-    re-tuned (render.context's fused_query_prep)."""
-    config = make_config(preset, cache_layout=layout)
-    source = render.render(config)
-    torch_ops = "prepared = (query.to(torch.float32) @ rotation)" if preset == "k3v4" else \
-        "prepared = query.to(torch.float32) * (scale * _LOG2E)"
-    assert ("def tq_prepare_query(" in source) == (layout == "planes" and preset == "k3v4")
-    assert (torch_ops in source) == (layout == "slots")
-    assert ("score_scale," in source.split("def tq_decode_stage1(")[1].split("):")[0]) == \
-        (layout == "planes" and preset == "k8v4")
-    assert ("decode_prepare.py.jinja" in render.decode_templates(config)) == (layout == "planes")
+    """Both layouts prepare the query in Triton: tq_prepare_query for MSE keys, stage 1 for fp8 keys;
+    no torch op runs before stage 1."""
+    source = render.render(make_config(preset, cache_layout=layout))
+    decode = source.split("\ndef decode(")[1].split("\ndef ")[0]
+    assert ("def tq_prepare_query(" in source) == (preset == "k3v4")
+    assert "query.to(torch.float32)" not in decode  # the torch ops that ran before stage 1
+    assert ("score_scale," in source.split("def tq_decode_stage1(")[1].split("):")[0]) == (preset == "k8v4")
 
 
 # --- kernels -----------------------------------------------------------------

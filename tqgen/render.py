@@ -128,13 +128,6 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         "GROUPS": max(16, _next_power_of_two(config.head_dim // 8)),
         "PAGE": config.block_size,
         "planes": layout.planes,
-        # The batch-1 latency changes of 2026-11-29 (BENCHMARKS.md): the query prepared by Triton (in
-        # stage 1 for fp8 keys, by tq_prepare_query for MSE keys) instead of 3-4 torch ops, and stage 2
-        # issuing both its loads at once. Page-planar only for now: the slots layout's H200 tables are
-        # keyed on its rendered decode source and could not be re-tuned yet. Once they are, set both
-        # to True for every layout and delete the other branches (they are the earlier code verbatim).
-        "fused_query_prep": layout.planes,
-        "stage2_one_round_trip": layout.planes,
         "layout_records": layout.records(),
         "split_3bit": layout.has_split_codes,
         # The arguments that locate a token in the cache, as the kernels' helpers take them.
@@ -187,22 +180,11 @@ DECODE_KERNEL_TEMPLATES = ("common.py.jinja", "decode_prepare.py.jinja", "decode
                            "decode_stage2.py.jinja", "decode_launcher.py.jinja")
 
 
-def decode_templates(config: Config) -> list[str]:
-    """The DECODE_KERNEL_TEMPLATES that this config's tuning depends on: all but the query kernel's
-    template, which comes with fused_query_prep. Page-planar configs with fp8 keys keep it in their
-    hash although their module has no query kernel: their H200 files were tuned that way."""
-    return _decode_templates(context(config))
-
-
-def _decode_templates(values: dict) -> list[str]:
-    return [name for name in DECODE_KERNEL_TEMPLATES
-            if name != "decode_prepare.py.jinja" or values["fused_query_prep"]]
-
-
 def decode_kernel_hash(config: Config) -> str:
-    """SHA-256 of the rendered decode path for one config: stage 1, stage 2, the helpers
-    they share (common.py.jinja, which also holds store's and dequantize's helpers) and
-    the `decode` launcher.
+    """SHA-256 of the rendered decode path for one config: the query kernel (fp8 keys do
+    without it but keep its template in the hash), stage 1, stage 2, the helpers they
+    share (common.py.jinja, which also holds store's and dequantize's helpers) and the
+    `decode` launcher.
 
     Tuned launches are keyed on this rather than on `template_hash`: an edit to the
     store or dequantize kernels, their launchers or the launch heuristic keeps the
@@ -211,7 +193,7 @@ def decode_kernel_hash(config: Config) -> str:
     environment = _environment()
     values = context(config)
     digest = hashlib.sha256()
-    for name in _decode_templates(values):
+    for name in DECODE_KERNEL_TEMPLATES:
         digest.update(name.encode() + b"\0" + environment.get_template(name).render(**values).encode() + b"\0")
     return digest.hexdigest()
 
