@@ -186,6 +186,43 @@ def test_fp8_decode_path_follows_the_arch(arch, hardware):
         assert "* 256.0" in ast.get_source_segment(source, jit_kernels(source)["tq_dequantize"])
 
 
+@pytest.mark.parametrize("stem", ["k3v4-d128", "k3v4-d128-planes", "k8v4-d128", "k8v4-d128-planes"])
+def test_dependent_launches_wait_before_reading_what_the_previous_kernel_wrote(stem):
+    """Stage 2 waits for stage 1 before its first load; MSE stage 1 (launched as tq_prepare_query
+    ends) waits before loading the prepared query, and lets stage 2 launch only after its loop.
+    fp8 stage 1 is the call's first kernel: launched in stream order, it never waits."""
+    source = rendered(shipped(stem))
+    kernels = jit_kernels(source)
+    stage2 = ast.get_source_segment(source, kernels["tq_decode_stage2"])
+    assert 0 < stage2.index("tl.extra.cuda.gdc_wait()") < stage2.index("tl.load(")
+    stage1 = ast.get_source_segment(source, kernels["tq_decode_stage1"])
+    mse = not stem.startswith("k8")
+    assert ("tl.extra.cuda.gdc_wait()" in stage1) == mse
+    if mse:
+        assert stage1.index("tl.extra.cuda.gdc_wait()") < stage1.index("tl.load(query_rows")
+    trigger = stage1.index("tl.extra.cuda.gdc_launch_dependents()")
+    assert stage1.rindex("tl.dot(") < trigger < stage1.index("tl.store(out_rows")
+    launcher = ast.get_source_segment(source, functions(source)["decode"])
+    assert launcher.count("launch_pdl=dependent") == (2 if mse else 1)
+    if mse:  # stage 1 launches when tq_prepare_query ends: an earlier signal slowed it (BENCHMARKS.md)
+        assert "gdc_" not in ast.get_source_segment(source, kernels["tq_prepare_query"])
+
+
+@pytest.mark.parametrize("stem", ["k3v4-d128-planes", "k8v4-d128"])
+def test_launch_ablation_edits_still_match_the_templates(stem):
+    """tests/ablate_launch.py edits rendered modules by text: each variant must apply and compile."""
+    import ablate_launch
+
+    source = rendered(shipped(stem))
+    for name in ("serial", "dependent", "early_trigger", "no_trigger", "stage2_serial"):
+        edited = ablate_launch.variant(source, name)
+        compile(edited, name, "exec")
+        assert edited != source
+    early = ablate_launch.variant(source, "early_trigger")
+    stage1 = early[early.index("def tq_decode_stage1("):]
+    assert stage1.index("gdc_launch_dependents()") < stage1.index("tl.dot(")
+
+
 def assert_tidy(source: str) -> None:
     assert source.endswith("\n") and not source.endswith("\n\n")
     for number, line in enumerate(source.splitlines(), 1):
