@@ -238,17 +238,18 @@ def test_decode_matches_reference(device, build_module, preset, head_dim):
 @pytest.mark.parametrize("preset,head_dim", [("k8v4", 128), ("k3v4", 128), ("k3v4", 96), ("k4v4", 72), ("k4v4", 256)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_decode_reads_a_query_of_any_float_dtype_and_strides(device, build_module, preset, head_dim, dtype):
-    """Page-planar modules read the caller's query in Triton (stage 1 scales it for fp8 keys;
+    """Modules read the caller's query in Triton (stage 1 scales it for fp8 keys;
     tq_prepare_query rotates it for MSE keys, 16 rows x 16 head dims per program, so 24 rows
     leave a partial row block, 96 and 72 head dims a masked inner step and 72 a partial column block)."""
     config = planes_config(preset, head_dim)
     check_decode(build_module(config), config, device, [40, 9, 17], dtype=dtype, strided_query=True)
 
 
-def test_stage2_ignores_what_empty_splits_left_in_the_workspace(device, build_module):
-    """Page-planar stage 2 loads every split's partial output before it knows which splits are
+@pytest.mark.parametrize("layout", ["slots", "planes"])
+def test_stage2_ignores_what_empty_splits_left_in_the_workspace(device, build_module, layout):
+    """Stage 2 (both layouts) loads every split's partial output before it knows which splits are
     empty; an empty split's output is whatever the workspace held (NaN here) and must not leak."""
-    config = planes_config("k3v4")
+    config = make_config("k3v4", cache_layout=layout)
     module = build_module(config)
     workspace = module.DecodeWorkspace(max_batch=3, num_q_heads=8, max_splits=16, device=device)
     workspace.partial_out.fill_(float("nan"))

@@ -83,6 +83,16 @@ def test_rerun_skips_finished_buckets_and_leaves_the_file(setup, tmp_path):
     assert all("already tuned" in line for line in lines) and path.read_bytes() == before
 
 
+def test_tuning_refuses_serial_launches_that_serving_would_not_use(setup, tmp_path, monkeypatch):
+    """Batch-1 buckets are timed with dependent launches (Hopper+); a table timed without them
+    would be baked for calls that use them."""
+    _, module = setup
+    monkeypatch.setattr(module, "DEPENDENT_LAUNCH", False)
+    with pytest.raises(TqgenError, match="TQGEN_DEPENDENT_LAUNCH"):
+        run_tune(setup, tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_killed_run_keeps_the_buckets_it_finished(setup, tmp_path):
     calls = {"n": 0}
 
@@ -251,11 +261,15 @@ def _geomean(ratios):
     return math.exp(sum(map(math.log, ratios)) / len(ratios))
 
 
-def test_heuristic_is_close_to_the_measured_best_on_the_h200(setup):
+def test_heuristic_is_close_to_the_measured_best_on_the_h200(setup, tmp_path):
     """The heuristic's pick, looked up in the committed H200 timing tables (every candidate of every
-    bucket of every shipped "slots" config), against each bucket's best: the numbers README.md quotes."""
-    _, module = setup
-    ratios = _heuristic_ratios(module, _timing_tables(planes=False))
+    bucket of every shipped "slots" config), against each bucket's best: the numbers README.md quotes.
+    fp8 keys have their own tile size, so each table is read with a module of its key format."""
+    _, mse_module = setup
+    fp8_module = emit.load(make_config("k8v4"), tmp_path)
+    tables = list(_timing_tables(planes=False))
+    ratios = (_heuristic_ratios(fp8_module, [t for t in tables if t[0].startswith("tq_kfp8_")])
+              + _heuristic_ratios(mse_module, [t for t in tables if not t[0].startswith("tq_kfp8_")]))
     assert len(ratios) >= 76
     assert _geomean(ratios) < 1.03 and max(ratios) < 1.15
 

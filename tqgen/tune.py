@@ -106,6 +106,10 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
          num_kv_heads: int = 8, device="cuda", force: bool = False,
          progress: Callable[[str], None] = print) -> Path:
     """Tune the buckets not yet in the file (all with force=True); returns the tuned file's path."""
+    if getattr(module, "DEPENDENT_LAUNCH", True) is False:
+        # The batch-1 buckets are timed with the dependent launches serving uses.
+        raise TqgenError("tuning times decode as it is served: unset TQGEN_DEPENDENT_LAUNCH=0 "
+                         "(or module.DEPENDENT_LAUNCH = False) first")
     metadata = tuned.make_metadata(config, fingerprint)
     path = tuned.tuned_path(root, metadata["device_name"], config)
     try:
