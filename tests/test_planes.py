@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import PRESETS, check_decode, codebook_kwargs, make_config, stored_cache
-from tqgen import config as config_mod, reference, render, tune
+from tqgen import config as config_mod, emit, reference, render, tune
 from tqgen.errors import ConfigError
 from tqgen.layout import SPLIT_HIGH_ORDER, SPLIT_LOW_ORDER, Layout, row_alignment
 from tqgen.testing import paged_batch, relative_error
@@ -255,6 +255,19 @@ def test_stage2_ignores_what_empty_splits_left_in_the_workspace(device, build_mo
     workspace.partial_out.fill_(float("nan"))
     out = check_decode(module, config, device, [5, 0, 70], workspace=workspace, num_splits=16)
     assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3"])
+@pytest.mark.parametrize("block_kv,num_splits", [(32, 3), (64, 1)])
+def test_register_prefetch_experiment_matches_the_reference(device, tmp_path, preset, block_kv, num_splits):
+    """The experimental stage 1 that loads tile i + 1 while it decodes tile i (render's EXPERIMENTS):
+    several tiles per split, a split ending mid-tile, an empty sequence."""
+    config = planes_config(preset)
+    path = tmp_path / f"{config.artifact_name()}_register_prefetch.py"
+    path.write_text(render.render(config, experiment={"register_prefetch": True}))
+    module = emit.import_module_file(path)
+    assert "_load_tile(" in path.read_text()
+    check_decode(module, config, device, [1, 15, 17, 300, 0], block_kv=block_kv, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("key_bits", [2, 3, 4])
