@@ -1,6 +1,11 @@
 """Compile decode stage 1 of a config for sm90 without a GPU and count its global loads.
 
     python3 tests/ptx_probe.py CONFIG [--block-kv 32] [--warps 1] [--stages 1] [--ptx OUT.ptx]
+                               [--variants base nocorr prefetch ...]
+
+--variants compiles the variants of tests/ablate_stage1.py (and `prefetch`, render's
+register_prefetch experiment) side by side: registers, spills and shared-memory
+traffic show what each part of the kernel costs before any GPU time is spent.
 
 Triton compiles to PTX offline; the load mix (16-byte `ld.global.v4`, 16- and
 32-bit scalar loads, `cp.async` copies when pipelined) shows whether the
@@ -34,6 +39,8 @@ def compile_stage1(module, block_kv: int, warps: int, stages: int):
     kernel = module.tq_decode_stage1
     signature, attributes = {}, {}
     constants = {"GROUP_SIZE": 4, "BLOCK_H": 16, "BLOCK_KV": block_kv}
+    if "DEPENDENT_LAUNCH" in kernel.arg_names:
+        constants["DEPENDENT_LAUNCH"] = False  # what every launch above batch 1 compiles
     for index, name in enumerate(kernel.arg_names):
         if name in constants:
             signature[name] = "constexpr"
@@ -65,6 +72,25 @@ def ptxas_usage(ptx: str) -> str:
     return "ptxas not available"
 
 
+def compare_variants(config, names, block_kv, warps, stages) -> None:
+    import ablate_stage1  # beside this file
+    from tqgen import render
+
+    source = render.render(config)
+    folder = tempfile.mkdtemp(prefix="tqgen-ptx-")
+    print(f"{config.name} kv{block_kv} w{warps} st{stages} (ptxas of triton {triton.__version__}, sm90a)")
+    print("| variant | registers, stack | st.shared | ld.shared + ldmatrix | bar.sync | mma | prmt |")
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        text = (render.render(config, experiment={"register_prefetch": True}) if name == "prefetch"
+                else ablate_stage1.variant(source, name))
+        module = ablate_stage1.import_source(text, name, folder)
+        ptx = compile_stage1(module, block_kv, warps, stages).asm["ptx"]
+        print(f"| {name} | {ptxas_usage(ptx)} | {ptx.count('st.shared')} | "
+              f"{ptx.count('ld.shared') + ptx.count('ldmatrix')} | {ptx.count('bar.sync')} | "
+              f"{ptx.count('mma.sync')} | {ptx.count('prmt')} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
@@ -72,8 +98,12 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=1)
     parser.add_argument("--stages", type=int, default=1)
     parser.add_argument("--ptx", help="also write the PTX here")
+    parser.add_argument("--variants", nargs="+", help="compare variants (see the docstring)")
     args = parser.parse_args()
     config = config_mod.resolve_arch(config_mod.load(args.config), (9, 0))
+    if args.variants:
+        compare_variants(config, args.variants, args.block_kv, args.warps, args.stages)
+        return
     module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-ptx-"))
     ptx = compile_stage1(module, args.block_kv, args.warps, args.stages).asm["ptx"]
     if args.ptx:
