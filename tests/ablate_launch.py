@@ -20,7 +20,6 @@ at batch 1 only):
 """
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -31,8 +30,8 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tqgen import bench, emit, render  # noqa: E402
+from tqgen.tuned import LAUNCH_FIELDS  # noqa: E402
 
-LAUNCH_FIELDS = ("block_kv", "num_warps", "num_stages", "num_splits")
 TRIGGER = "        tl.extra.cuda.gdc_launch_dependents()\n"
 EVERY_BATCH = ("_DEPENDENT_LAUNCH_MAX_BATCH = 1\n", "_DEPENDENT_LAUNCH_MAX_BATCH = 1 << 30\n")
 
@@ -71,10 +70,7 @@ def import_source(source: str, tag: str, folder: str):
     path = os.path.join(folder, f"launch_{tag}.py")
     with open(path, "w") as handle:
         handle.write(source)
-    spec = importlib.util.spec_from_file_location(f"launch_{tag}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return emit.import_module_file(path)
 
 
 def time_item(item: str, names: list[str], folder: str) -> str:

@@ -27,7 +27,6 @@ give wrong outputs on purpose: they measure what that work costs.
 """
 
 import argparse
-import importlib.util
 import os
 import re
 import sys
@@ -95,10 +94,7 @@ def import_source(source: str, tag: str, folder: str):
     path = os.path.join(folder, f"ablate_{tag}.py")
     with open(path, "w") as handle:
         handle.write(source)
-    spec = importlib.util.spec_from_file_location(f"ablate_{tag}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return emit.import_module_file(path)
 
 
 def main() -> None:
