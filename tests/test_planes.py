@@ -17,7 +17,7 @@ from tqgen import config as config_mod, emit, reference, render, tune
 from tqgen.errors import ConfigError
 from tqgen.layout import SPLIT_HIGH_ORDER, SPLIT_LOW_ORDER, Layout, row_alignment
 from tqgen.testing import paged_batch, relative_error
-from tqgen.verify import DECODE_TOLERANCE, DEQUANT_TOLERANCE
+from tqgen.verify import DECODE_TOLERANCE, DEQUANT_TOLERANCE, store_differences
 
 SENTINEL = 0xA5
 
@@ -202,7 +202,9 @@ def test_store_writes_the_reference_bytes_and_nothing_else(device, build_module,
     module.store(batch.key, batch.value, cache, batch.slot_mapping, **kwargs)
     reference.store(config, batch.key, batch.value, expected, batch.slot_mapping,
                     kwargs.get("rotation"), kwargs.get("centroids"))
-    assert torch.equal(cache.cpu(), expected.cpu()), f"{int((cache != expected).sum())} bytes differ"
+    differing = store_differences(config, cache, expected, batch.key, batch.slot_mapping,
+                                  kwargs.get("rotation"), kwargs.get("centroids"))
+    assert differing == 0, f"{differing} bytes differ"
     # Whole unused pages keep their bytes.
     unused = sorted(set(range(batch.num_blocks)) - set(batch.block_table[batch.block_table >= 0].tolist()))
     assert unused and torch.equal(cache[unused].cpu(), initial[unused].cpu())

@@ -1,0 +1,93 @@
+"""Store launches timed side by side on the GPU, against the copy ceiling of the same run.
+
+    python3 tests/ablate_store.py CONFIG [CONFIG ...] [--module OLD.py ...] [--launch 64:8 ...]
+                                  [--tokens 32 65536]
+
+For each config, the store of N fp16 (key, value) tokens with 8 KV heads is timed as a
+CUDA-graph replay, for each launch (block_rows:num_warps) and for each --module (a module
+rendered from an older commit, timed with its own default launch), in two slot patterns:
+- scattered: a random permutation of the cache's slots (what `tqgen bench` times);
+- prefill:   consecutive positions within randomly ordered pages (a prompt being cached).
+Bytes = fp16 read + slots written, as in `tqgen bench`. Before timing, each launch's
+cache is compared with the reference's (tqgen.verify.store_differences) on the
+scattered pattern at the smallest --tokens.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tqgen import bench, config as config_mod, emit, reference  # noqa: E402
+from tqgen.testing import codebook_kwargs  # noqa: E402
+from tqgen.verify import store_differences  # noqa: E402
+
+NUM_KV_HEADS = 8
+
+
+def slot_patterns(num_tokens: int, page: int, device) -> dict:
+    num_blocks = -(-num_tokens // page)
+    pages = torch.randperm(num_blocks, device=device)
+    position = torch.arange(num_tokens, device=device)
+    return {
+        "scattered": torch.randperm(num_blocks * page, device=device)[:num_tokens],
+        "prefill": pages[position // page] * page + position % page,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("configs", nargs="+")
+    parser.add_argument("--module", nargs="*", default=[], help="older module files, matched to a config by name")
+    parser.add_argument("--launch", nargs="+", default=["16:8", "32:8", "64:8", "64:4", "128:8"],
+                        help="block_rows:num_warps")
+    parser.add_argument("--tokens", nargs="+", type=int, default=[32, 65536])
+    args = parser.parse_args()
+    device = "cuda"
+    ceiling = bench.copy_ceiling_gbps(device)
+    print(f"copy ceiling {ceiling:.0f} GB/s; {NUM_KV_HEADS} KV heads; graph replay")
+    print("| config | module | launch | tokens | pattern | us | % of ceiling |")
+    print("|---|---|---|---|---|---|---|")
+    for path in args.configs:
+        config = config_mod.resolve_arch(config_mod.load(path), torch.cuda.get_device_capability())
+        module = emit.load(config, os.environ.get("TQGEN_CACHE_DIR", "/tmp/tqgen-ablate-store"))
+        runs = [("new", module, dict(block_rows=int(r), num_warps=int(w)))
+                for r, w in (launch.split(":") for launch in args.launch)]
+        runs += [(os.path.basename(m), emit.import_module_file(m), {}) for m in args.module
+                 if os.path.basename(m).removesuffix(".py") == config.name]
+        codebook = codebook_kwargs(module, device)
+        for tokens in args.tokens:
+            key = torch.randn(tokens, NUM_KV_HEADS, config.head_dim, dtype=torch.float16, device=device)
+            value = torch.randn_like(key)
+            num_blocks = -(-tokens // config.block_size)
+            nbytes = 2 * key.numel() * key.element_size() + tokens * NUM_KV_HEADS * module.SLOT_BYTES
+            patterns = slot_patterns(tokens, config.block_size, device)
+            if tokens == min(args.tokens):
+                expected = module.make_cache(num_blocks, NUM_KV_HEADS, device)
+                reference.store(config, key, value, expected, patterns["scattered"],
+                                codebook.get("rotation"), codebook.get("centroids"))
+            for name, mod, launch in runs:
+                cache = mod.make_cache(num_blocks, NUM_KV_HEADS, device)
+                if tokens == min(args.tokens):
+                    mod.store(key, value, cache, patterns["scattered"], **codebook, **launch)
+                    differing = store_differences(config, cache, expected, key, patterns["scattered"],
+                                                  codebook.get("rotation"), codebook.get("centroids"))
+                    if differing:
+                        print(f"| {config.name} | {name} | {launch} | {tokens} | WRONG: {differing} bytes differ | | |")
+                        continue
+                for pattern, slots in patterns.items():
+                    def call():
+                        mod.store(key, value, cache, slots, validate=False, **codebook, **launch)
+
+                    call()
+                    ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
+                    shown = ":".join(str(v) for v in launch.values()) or "default"
+                    print(f"| {config.name} | {name} | {shown} | {tokens} | {pattern} | {ms * 1e3:.1f} | "
+                          f"{100 * nbytes / (ms * 1e-3) / 1e9 / ceiling:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
