@@ -1,28 +1,29 @@
 """Store launches timed side by side on the GPU, against the copy ceiling of the same run.
 
-    python3 tests/ablate_store.py CONFIG [CONFIG ...] [--module OLD.py ...] [--launch 64:8 ...]
+    python3 tests/ablate_store.py CONFIG [CONFIG ...] [--module OLD.py ...] [--launch 16:4 ...]
                                   [--tokens 32 65536]
 
 For each config, the store of N fp16 (key, value) tokens with 8 KV heads is timed as a
-CUDA-graph replay, for each launch (block_rows:num_warps) and for each --module (a module
+CUDA-graph replay, for each launch (block_t:num_warps) and for each --module (a module
 rendered from an older commit, timed with its own default launch), in two slot patterns:
 - scattered: a random permutation of the cache's slots (what `tqgen bench` times);
 - prefill:   consecutive positions within randomly ordered pages (a prompt being cached).
 Bytes = fp16 read + slots written, as in `tqgen bench`. Before timing, each launch's
 cache is compared with the reference's (tqgen.verify.store_differences) on the
-scattered pattern at the smallest --tokens.
+scattered pattern at the smallest --tokens. For Hadamard MSE configs, the "torch-rotated"
+rows pass a copy of the rotation, which makes the launcher rotate the keys with torch
+(the path of any other matrix) instead of the kernel's Walsh-Hadamard transform.
 """
 
 import argparse
 import os
 import sys
-import tempfile
 
 import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tqgen import bench, config as config_mod, emit, reference, render  # noqa: E402
+from tqgen import bench, config as config_mod, emit, reference  # noqa: E402
 from tqgen.testing import codebook_kwargs  # noqa: E402
 from tqgen.verify import store_differences  # noqa: E402
 
@@ -43,11 +44,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("configs", nargs="+")
     parser.add_argument("--module", nargs="*", default=[], help="older module files, matched to a config by name")
-    parser.add_argument("--launch", nargs="+", default=["16:8", "32:8", "64:8", "64:4", "128:8"],
-                        help="block_rows:num_warps")
+    parser.add_argument("--launch", nargs="+", default=["16:4", "8:4", "32:4", "16:8"], help="block_t:num_warps")
     parser.add_argument("--tokens", nargs="+", type=int, default=[32, 65536])
-    parser.add_argument("--precisions", nargs="*", default=[],
-                        help="also time the MSE rotation's tl.dot at these input precisions (tf32, ieee)")
     args = parser.parse_args()
     device = "cuda"
     ceiling = bench.copy_ceiling_gbps(device)
@@ -57,15 +55,10 @@ def main() -> None:
     for path in args.configs:
         config = config_mod.resolve_arch(config_mod.load(path), torch.cuda.get_device_capability())
         module = emit.load(config, os.environ.get("TQGEN_CACHE_DIR", "/tmp/tqgen-ablate-store"))
-        runs = [("new", module, dict(block_rows=int(r), num_warps=int(w)))
-                for r, w in (launch.split(":") for launch in args.launch)]
-        source = render.render(config)
-        for precision in args.precisions:  # what the rotation's precision costs (tf32 gives wrong codes)
-            path = os.path.join(tempfile.mkdtemp(), f"{config.name}_{precision}.py")
-            with open(path, "w") as handle:
-                handle.write(source.replace('input_precision="tf32x3"', f'input_precision="{precision}"'))
-            first = args.launch[0].split(":")
-            runs.append((precision, emit.import_module_file(path), dict(block_rows=int(first[0]), num_warps=int(first[1]))))
+        runs = [("new", module, dict(block_t=int(t), num_warps=int(w)))
+                for t, w in (launch.split(":") for launch in args.launch)]
+        if config.key_format == "mse" and config.rotation == "hadamard":
+            runs.append(("torch-rotated", module, dict(rotation=module.default_rotation(device).clone())))
         runs += [(os.path.basename(m), emit.import_module_file(m), {}) for m in args.module
                  if os.path.basename(m).removesuffix(".py") == config.name]
         codebook = codebook_kwargs(module, device)
@@ -82,19 +75,19 @@ def main() -> None:
             for name, mod, launch in runs:
                 cache = mod.make_cache(num_blocks, NUM_KV_HEADS, device)
                 if tokens == min(args.tokens):
-                    mod.store(key, value, cache, patterns["scattered"], **codebook, **launch)
+                    mod.store(key, value, cache, patterns["scattered"], **{**codebook, **launch})
                     differing = store_differences(config, cache, expected, key, patterns["scattered"],
                                                   codebook.get("rotation"), codebook.get("centroids"))
-                    if differing and name == "new":
+                    if differing:
                         print(f"| {config.name} | {name} | {launch} | {tokens} | WRONG: {differing} bytes differ | | |")
                         continue
                 for pattern, slots in patterns.items():
                     def call():
-                        mod.store(key, value, cache, slots, validate=False, **codebook, **launch)
+                        mod.store(key, value, cache, slots, validate=False, **{**codebook, **launch})
 
                     call()
                     ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
-                    shown = ":".join(str(v) for v in launch.values()) or "default"
+                    shown = ":".join(str(v) for v in launch.values() if isinstance(v, int)) or "default"
                     print(f"| {config.name} | {name} | {shown} | {tokens} | {pattern} | {ms * 1e3:.1f} | "
                           f"{100 * nbytes / (ms * 1e-3) / 1e9 / ceiling:.1f} |", flush=True)
 

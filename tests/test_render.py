@@ -167,7 +167,8 @@ def test_mse_module_has_no_fp8_machinery(arch):
     # ...and does have its own:
     kernels, launchers = jit_kernels(source), functions(source)
     assert "centroids_ptr" in all_params(kernels["tq_decode_stage1"])
-    assert "rotation_ptr" in all_params(kernels["tq_store"])  # the store rotates keys itself
+    assert "rotate_keys" in calls(launchers["store"])  # for a rotation other than the config's
+    assert "_walsh_hadamard" in kernels  # the config's Hadamard rotation, inside the store kernel
     assert "KEY_NORM_OFFSET" in module_constants(source)
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import PRESETS, codebook_kwargs, make_config
-from tqgen import reference
+from tqgen import codebook, reference
+from tqgen.layout import Layout
 from tqgen.verify import store_differences
 from tqgen.testing import paged_batch
 
@@ -113,3 +114,71 @@ def test_store_rejects_bad_arguments(device, build_module):
         module.store(key, key, cache, slots.float())
     with pytest.raises(module.LaunchError, match="slot_mapping has slot 64"):
         module.store(key, key, cache, torch.tensor([0, 1, 64], device=device))
+
+
+@pytest.mark.parametrize("layout", ["slots", "planes"])
+def test_hadamard_keys_are_rotated_in_the_kernel_and_other_matrices_by_torch(device, build_module, layout):
+    """The default rotation takes the kernel's Walsh-Hadamard transform; a copy of it (any other
+    tensor) takes rotate_keys in torch. Both paths must give the reference's bytes."""
+    config = make_config("k4v4", cache_layout=layout)
+    module = build_module(config)
+    batch = paged_batch(config, [9, 30], num_kv_heads=2, device=device, generator=torch.Generator().manual_seed(5))
+    kwargs = codebook_kwargs(module, config, device)
+    calls = []
+    real = module.rotate_keys
+    try:
+        module.rotate_keys = lambda *args: calls.append(1) or real(*args)
+        for rotation, torch_calls in ((kwargs["rotation"], 0), (kwargs["rotation"].clone(), 1)):
+            cache = module.make_cache(batch.num_blocks, 2, device)
+            expected = cache.clone()
+            module.store(batch.key, batch.value, cache, batch.slot_mapping, rotation=rotation,
+                         centroids=kwargs["centroids"])
+            reference.store(config, batch.key, batch.value, expected, batch.slot_mapping, rotation,
+                            kwargs["centroids"])
+            assert len(calls) == torch_calls
+            assert store_differences(config, cache, expected, batch.key, batch.slot_mapping, rotation,
+                                     kwargs["centroids"]) == 0
+    finally:
+        module.rotate_keys = real
+
+
+def test_store_differences_allows_only_boundary_ties_and_one_ulp_norms():
+    """The comparison itself: a code may differ only on a decision boundary, a norm by one fp16 ulp."""
+    config = make_config("k4v4")
+    rotation = torch.eye(config.head_dim)  # rotated key = unit key: coordinates placed at will
+    centroids = torch.tensor(codebook.centroids(config.key_bits, config.head_dim))
+    boundary = float(reference.decision_boundaries(centroids)[9])  # between codes 9 and 10
+    unit = torch.zeros(1, 1, config.head_dim, dtype=torch.float64)
+    unit[0, 0, 0] = boundary  # on the boundary (to within the rounding of the norm)
+    unit[0, 0, 1] = boundary + 0.01  # inside the bucket of code 10
+    unit[0, 0, 2] = (1 - unit[0, 0, 0] ** 2 - unit[0, 0, 1] ** 2) ** 0.5  # a unit vector
+    key = (unit * 3.0).float()
+    slots = torch.tensor([0])
+    expected = torch.zeros(1, config.block_size, 1, Layout.from_config(config).slot_bytes, dtype=torch.uint8)
+    reference.store(config, key, key, expected, slots, rotation, centroids)
+    layout = Layout.from_config(config)
+
+    def with_code(dim, code):
+        cache = expected.clone()
+        codes = reference.unpack_codes(cache[0, 0, 0, : layout.key_code_bytes], layout.key_bits, config.head_dim)
+        codes[dim] = code
+        cache[0, 0, 0, : layout.key_code_bytes] = reference.pack_codes(codes, layout.key_bits)
+        return cache
+
+    def differences(cache):
+        return store_differences(config, cache, expected, key, slots, rotation, centroids)
+
+    codes = reference.unpack_codes(expected[0, 0, 0, : layout.key_code_bytes], layout.key_bits, 2).tolist()
+    assert codes[0] in (9, 10) and codes[1] == 10
+    assert differences(expected) == 0
+    assert differences(with_code(0, 19 - codes[0])) == 0  # the other side of the tie
+    assert differences(with_code(0, 3)) == 1  # not a neighbour of the tie
+    assert differences(with_code(1, 9)) == 1
+    norm = expected.clone()
+    norm[0, 0, 0, layout.key_norm_offset] += 1  # one ulp (the low byte of a positive fp16)
+    assert differences(norm) == 0
+    norm[0, 0, 0, layout.key_norm_offset] += 1
+    assert differences(norm) == 1
+    value = expected.clone()
+    value[0, 0, 0, layout.value_code_offset] ^= 1
+    assert differences(value) == 1

@@ -61,7 +61,7 @@ def _erfinv(y: float) -> float:
 
 
 # Copied into every emitted module by render.py (one source of truth).
-EMBEDDED = ("hadamard_matrix", "random_orthogonal_matrix", "decision_boundaries")
+EMBEDDED = ("hadamard_matrix", "random_orthogonal_matrix", "rotate_keys", "decision_boundaries")
 
 
 def centroids(bits: int, head_dim: int) -> list[float]:
@@ -106,10 +106,11 @@ def rotation_matrix(kind: str, dim: int, seed: int = 0, device=None) -> torch.Te
 def rotate_keys(key, rotation):
     """The MSE key transform before coding: (norm, rotated unit vector), float32.
 
-    `n = ||k||`, `y = (k / (n + 1e-8)) @ rotation`: the reference's definition. The
-    store kernel computes the same in its own order of fp32 operations, so its codes
-    can differ only where y lies within rounding error of a decision boundary
-    (`tqgen.verify.store_differences` is the comparison that allows this).
+    `n = ||k||`, `y = (k / (n + 1e-8)) @ rotation`: the reference's definition, and
+    what the store launcher runs for a rotation other than the config's Hadamard
+    matrix. For that matrix the store kernel computes the same by a Walsh-Hadamard
+    transform, in its own order of fp32 operations: its codes can then differ where
+    y lies within rounding of a decision boundary (`tqgen.verify.store_differences`).
     """
     key = key.to(torch.float32)
     norm = torch.linalg.vector_norm(key, dim=-1)

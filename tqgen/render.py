@@ -161,6 +161,8 @@ def context(config: Config, tuned: dict | None = None, experiment: dict | None =
                         else f"[num_blocks, {config.block_size}, num_kv_heads, {layout.slot_bytes}]"),
         "halfword_loads": layout.halfword_aligned,
         "key_fp8": layout.key_fp8,
+        # MSE keys under the config's Hadamard rotation: store rotates them by a Walsh-Hadamard transform.
+        "hadamard_keys": not layout.key_fp8 and config.rotation == "hadamard",
         "fp8_hardware": fp8_hardware,
         "min_capability": min_capability,
         "norm_correction": config.norm_correction,

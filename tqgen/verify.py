@@ -24,9 +24,9 @@ from .testing import codebook_kwargs, paged_batch, relative_error
 # output dtype's rounding comes on top (bf16: about 2**-9).
 DECODE_TOLERANCE = {torch.float32: 1e-3, torch.float16: 1.5e-3, torch.bfloat16: 6e-3}
 DEQUANT_TOLERANCE = 1e-6  # fp32 output: only summation order differs
-# The store kernel rotates MSE keys in its own order of fp32 operations (three TF32
-# passes on the tensor cores), the reference in torch's: y differs by ~1e-7 (|y| < 1).
-# A key code may differ where the exact y lies this close to a decision boundary.
+# The store kernel rotates MSE keys in its own order of fp32 operations (a Walsh-Hadamard
+# transform), the reference by torch's matmul: the rotated unit key y (|y| <= 1) differs
+# by about 1e-7. A key code may differ where the exact y lies this close to a boundary.
 BOUNDARY_TIE = 1e-5
 
 
@@ -35,11 +35,11 @@ def store_differences(config: Config, cache: torch.Tensor, expected: torch.Tenso
                       centroids: torch.Tensor | None = None) -> int:
     """How many bytes of a stored cache differ from the reference's, not counting ties.
 
-    Every byte must match exactly, except for MSE keys: a code may differ where the
-    float64 rotated key lies within BOUNDARY_TIE of a decision boundary (either code
-    is then the nearest centroid), and the fp16 norm may differ by one unit in the
-    last place (fp32 sums in another order). Each code or norm outside these limits
-    counts as one differing byte.
+    Every byte must match exactly, except for MSE keys: each code must be that of the
+    float64 rotated key, or where that lies within BOUNDARY_TIE of a decision boundary,
+    the code of either side (both are then the nearest centroid to rounding); the fp16
+    norm may differ by one unit in the last place (fp32 sums in another order). Each
+    code or norm outside these limits counts as one differing byte.
     """
     layout = Layout.from_config(config)
     if layout.key_fp8:
@@ -56,14 +56,14 @@ def store_differences(config: Config, cache: torch.Tensor, expected: torch.Tenso
         slots_view[where] = rows
     differing = int((got != want).sum())
 
-    codes = [reference.unpack_codes(k[..., : layout.key_code_bytes], layout.key_bits, config.head_dim)
-             for k in (got_keys, want_keys)]
+    codes = reference.unpack_codes(got_keys[..., : layout.key_code_bytes], layout.key_bits, config.head_dim)
     exact = key[written].double()
     unit = exact / (exact.norm(dim=-1, keepdim=True) + 1e-8)
-    rotated = unit @ rotation.double().to(unit.device)
-    boundaries = reference.decision_boundaries(centroids).double().to(unit.device)
-    on_boundary = (rotated.unsqueeze(-1) - boundaries).abs().amin(-1) < BOUNDARY_TIE
-    differing += int(((codes[0] != codes[1]) & ~on_boundary.to(codes[0].device)).sum())
+    rotated = (unit @ rotation.double().to(unit.device)).unsqueeze(-1).to(codes.device)
+    boundaries = reference.decision_boundaries(centroids).double().to(codes.device)
+    lowest = (rotated - BOUNDARY_TIE >= boundaries).sum(-1)  # the code of each side of a tie
+    highest = (rotated + BOUNDARY_TIE >= boundaries).sum(-1)
+    differing += int(((codes < lowest) | (codes > highest)).sum())
     norms = [k[..., -2:].contiguous().view(torch.int16).squeeze(-1).to(torch.int32) for k in (got_keys, want_keys)]
     differing += int(((norms[0] - norms[1]).abs() > 1).sum())
     return differing
