@@ -13,21 +13,30 @@ cache is compared with the reference's (tqgen.verify.store_differences) on the
 scattered pattern at the smallest --tokens. For Hadamard MSE configs, the "torch-rotated"
 rows pass a copy of the rotation, which makes the launcher rotate the keys with torch
 (the path of any other matrix) instead of the kernel's Walsh-Hadamard transform.
+--variants times edited kernels at the first launch (wrong bytes on purpose: they measure
+what the dropped work costs):
+- nofwht:   no Walsh-Hadamard transform (the unit key is coded unrotated)
+- nocodes:  no key codes (the codebook comparisons and the key code stores dropped)
 """
 
 import argparse
 import os
 import sys
+import tempfile
 
 import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tqgen import bench, config as config_mod, emit, reference  # noqa: E402
+from tqgen import bench, config as config_mod, emit, reference, render  # noqa: E402
 from tqgen.testing import codebook_kwargs  # noqa: E402
 from tqgen.verify import store_differences  # noqa: E402
 
 NUM_KV_HEADS = 8
+VARIANTS = {
+    "nofwht": ("_walsh_hadamard(key) * (", "key * ("),
+    "nocodes": ("    _store_key_codes(cache_ptr, ", "    pass  # _store_key_codes(cache_ptr, "),
+}
 
 
 def slot_patterns(num_tokens: int, page: int, device) -> dict:
@@ -46,6 +55,7 @@ def main() -> None:
     parser.add_argument("--module", nargs="*", default=[], help="older module files, matched to a config by name")
     parser.add_argument("--launch", nargs="+", default=["16:4", "8:4", "32:4", "16:8"], help="block_t:num_warps")
     parser.add_argument("--tokens", nargs="+", type=int, default=[32, 65536])
+    parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS))
     args = parser.parse_args()
     device = "cuda"
     ceiling = bench.copy_ceiling_gbps(device)
@@ -59,6 +69,16 @@ def main() -> None:
                 for t, w in (launch.split(":") for launch in args.launch)]
         if config.key_format == "mse" and config.rotation == "hadamard":
             runs.append(("torch-rotated", module, dict(rotation=module.default_rotation(device).clone())))
+        first = dict(zip(("block_t", "num_warps"), map(int, args.launch[0].split(":"))))
+        for name in args.variants:
+            old, new = VARIANTS[name]
+            source = render.render(config)
+            if old not in source:
+                raise SystemExit(f"variant {name!r} does not apply to {config.name}")
+            path = os.path.join(tempfile.mkdtemp(), f"{config.name}_{name}.py")
+            with open(path, "w") as handle:
+                handle.write(source.replace(old, new))
+            runs.append((name, emit.import_module_file(path), first))
         runs += [(os.path.basename(m), emit.import_module_file(m), {}) for m in args.module
                  if os.path.basename(m).removesuffix(".py") == config.name]
         codebook = codebook_kwargs(module, device)
@@ -78,7 +98,7 @@ def main() -> None:
                     mod.store(key, value, cache, patterns["scattered"], **{**codebook, **launch})
                     differing = store_differences(config, cache, expected, key, patterns["scattered"],
                                                   codebook.get("rotation"), codebook.get("centroids"))
-                    if differing:
+                    if differing and name not in VARIANTS:
                         print(f"| {config.name} | {name} | {launch} | {tokens} | WRONG: {differing} bytes differ | | |")
                         continue
                 for pattern, slots in patterns.items():
