@@ -95,7 +95,7 @@ def main() -> None:
             for name, mod, launch in runs:
                 cache = mod.make_cache(num_blocks, NUM_KV_HEADS, device)
                 if tokens == min(args.tokens):
-                    mod.store(key, value, cache, patterns["scattered"], **{**codebook, **launch})
+                    mod.store(key, value, cache, patterns["scattered"], **{**codebook_kwargs(mod, device), **launch})
                     differing = store_differences(config, cache, expected, key, patterns["scattered"],
                                                   codebook.get("rotation"), codebook.get("centroids"))
                     if differing and name not in VARIANTS:
@@ -103,7 +103,7 @@ def main() -> None:
                         continue
                 for pattern, slots in patterns.items():
                     def call():
-                        mod.store(key, value, cache, slots, validate=False, **{**codebook, **launch})
+                        mod.store(key, value, cache, slots, validate=False, **{**codebook_kwargs(mod, device), **launch})
 
                     call()
                     ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
