@@ -20,8 +20,6 @@ give wrong outputs on purpose: they measure what that work costs.
 - nocorr:        no norm correction (centroid squares neither summed nor applied)
 - sqdot:         centroid squares summed by a tl.dot of fp16 squares against ones, not by tl.sum
                  (slots layout only)
-- prefetch:      render's register_prefetch experiment: tile i + 1 loaded into registers while
-                 tile i is decoded (planes layout, MSE keys; use 1 stage)
 - --module PATH: extra module files, e.g. rendered from an older commit with
                  `git stash; tqgen render CONFIG > old.py` (set arch: sm90 in the config)
 """
@@ -114,12 +112,7 @@ def main() -> None:
     ceiling = bench.copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s; {config.name} at {batch} x {context}; graph replay", flush=True)
     folder = tempfile.mkdtemp(prefix="tqgen-ablate-")
-    def variant_source(name):
-        if name == "prefetch":
-            return render.render(config, experiment={"register_prefetch": True})
-        return variant(source, name)
-
-    modules = [(name, import_source(variant_source(name), name, folder)) for name in args.variants]
+    modules = [(name, import_source(variant(source, name), name, folder)) for name in args.variants]
     modules += [(os.path.basename(path), import_source(open(path).read(), f"extra{i}", folder))
                 for i, path in enumerate(args.module)]
     problem = bench.random_problem(modules[0][1], config, batch, context, 32, 8, "cuda")

@@ -1,11 +1,11 @@
 """Compile decode stage 1 of a config for sm90 without a GPU and count its global loads.
 
     python3 tests/ptx_probe.py CONFIG [--block-kv 32] [--warps 1] [--stages 1] [--ptx OUT.ptx]
-                               [--variants base nocorr prefetch ...]
+                               [--variants base nocorr ...]
 
---variants compiles the variants of tests/ablate_stage1.py (and `prefetch`, render's
-register_prefetch experiment) side by side: registers, spills and shared-memory
-traffic show what each part of the kernel costs before any GPU time is spent.
+--variants compiles the variants of tests/ablate_stage1.py side by side: registers,
+spills and shared-memory traffic show what each part of the kernel costs before any
+GPU time is spent.
 
 Triton compiles to PTX offline; the load mix (16-byte `ld.global.v4`, 16- and
 32-bit scalar loads, `cp.async` copies when pipelined) shows whether the
@@ -82,8 +82,7 @@ def compare_variants(config, names, block_kv, warps, stages) -> None:
     print("| variant | registers, stack | st.shared | ld.shared + ldmatrix | bar.sync | mma | prmt |")
     print("|---|---|---|---|---|---|---|")
     for name in names:
-        text = (render.render(config, experiment={"register_prefetch": True}) if name == "prefetch"
-                else ablate_stage1.variant(source, name))
+        text = ablate_stage1.variant(source, name)
         module = ablate_stage1.import_source(text, name, folder)
         ptx = compile_stage1(module, block_kv, warps, stages).asm["ptx"]
         print(f"| {name} | {ptxas_usage(ptx)} | {ptx.count('st.shared')} | "

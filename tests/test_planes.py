@@ -259,19 +259,6 @@ def test_stage2_ignores_what_empty_splits_left_in_the_workspace(device, build_mo
     assert (out[1] == 0).all()
 
 
-@pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3"])
-@pytest.mark.parametrize("block_kv,num_splits", [(32, 3), (64, 1)])
-def test_register_prefetch_experiment_matches_the_reference(device, tmp_path, preset, block_kv, num_splits):
-    """The experimental stage 1 that loads tile i + 1 while it decodes tile i (render's EXPERIMENTS):
-    several tiles per split, a split ending mid-tile, an empty sequence."""
-    config = planes_config(preset)
-    path = tmp_path / f"{config.artifact_name()}_register_prefetch.py"
-    path.write_text(render.render(config, experiment={"register_prefetch": True}))
-    module = emit.import_module_file(path)
-    assert "_load_tile(" in path.read_text()
-    check_decode(module, config, device, [1, 15, 17, 300, 0], block_kv=block_kv, num_splits=num_splits)
-
-
 @pytest.mark.parametrize("key_bits", [2, 3, 4])
 def test_decode_with_an_unsorted_asymmetric_codebook(device, build_module, key_bits):
     """The register byte tables come from the centroids passed, whatever their order and signs

@@ -224,19 +224,6 @@ def test_launch_ablation_edits_still_match_the_templates(stem):
     assert stage1.index("gdc_launch_dependents()") < stage1.index("tl.dot(")
 
 
-def test_experiments_are_off_by_default_and_checked():
-    """Kernel experiments (render.EXPERIMENTS) render nothing unless asked for, and refuse
-    unknown names and configs they do not apply to."""
-    planes = shipped("k3v4-d128-planes")
-    assert "_load_tile" not in rendered(planes)
-    assert render_mod.render(planes, experiment={"register_prefetch": False}) == rendered(planes)
-    assert "_load_tile(" in render_mod.render(planes, experiment={"register_prefetch": True})
-    with pytest.raises(ValueError, match="unknown experiment 'prefetch'"):
-        render_mod.render(planes, experiment={"prefetch": True})
-    with pytest.raises(ValueError, match="register_prefetch needs cache_layout planes, MSE keys"):
-        render_mod.render(shipped("k8v4-d128-planes"), experiment={"register_prefetch": True})
-
-
 def assert_tidy(source: str) -> None:
     assert source.endswith("\n") and not source.endswith("\n\n")
     for number, line in enumerate(source.splitlines(), 1):

@@ -104,26 +104,11 @@ def nibble_selector(layout: Layout, bits: int, word: str, first_code: int) -> st
     return terms[0][1:-1] if len(terms) == 1 else " | ".join(terms)
 
 
-# Kernel variants that no config selects, for side-by-side timing (tests/ablate_stage1.py):
-# render(config, experiment={...}). Off, they render nothing, so shipped modules are unchanged.
-EXPERIMENTS = {
-    # Stage 1 loads tile i + 1 into registers before decoding tile i (page-planar, MSE keys,
-    # packed values): an alternative to num_stages > 1 for one-warp programs.
-    "register_prefetch": False,
-}
-
-
-def context(config: Config, tuned: dict | None = None, experiment: dict | None = None) -> dict:
+def context(config: Config, tuned: dict | None = None) -> dict:
     """Everything the templates may read, computed from the (arch-resolved) config."""
     if config.arch == "auto":
         raise ValueError("resolve the arch (config.resolve_arch) before rendering")
     layout = Layout.from_config(config)
-    unknown = set(experiment or {}) - set(EXPERIMENTS)
-    if unknown:
-        raise ValueError(f"unknown experiment {sorted(unknown)[0]!r}; known: {', '.join(EXPERIMENTS)}")
-    experiments = {**EXPERIMENTS, **(experiment or {})}
-    if experiments["register_prefetch"] and not (layout.planes and not layout.key_fp8 and config.value_bits < 8):
-        raise ValueError("register_prefetch needs cache_layout planes, MSE keys and packed (< 8-bit) values")
     fp8_hardware = config.arch in _FP8_HARDWARE_ARCHES
     min_capability = (8, 9) if (layout.key_fp8 and fp8_hardware) else (8, 0)
     config_items = [(k, json.dumps(v)) for k, v in config.to_dict().items() if v is not None]
@@ -172,7 +157,6 @@ def context(config: Config, tuned: dict | None = None, experiment: dict | None =
         "tuned_literal": _tuned_literal(tuned or {}),
         "tuning_summary": _tuning_summary(tuned or {}),
         "output_dtype_literal": "None" if config.output_dtype == "auto" else f"torch.{config.output_dtype}",
-        **experiments,
     }
 
 
@@ -216,14 +200,13 @@ def decode_kernel_hash(config: Config) -> str:
     return digest.hexdigest()
 
 
-def render(config: Config, tuned: dict | None = None, experiment: dict | None = None) -> str:
+def render(config: Config, tuned: dict | None = None) -> str:
     """The complete source of the module for one config.
 
     `tuned` maps a device name to {"triton_version", "source", "buckets":
     {bucket key: (block_kv, num_warps, num_stages, num_splits)}} (see emit.tuned_launches).
-    `experiment` switches on kernel variants of EXPERIMENTS; `tqgen build` never does.
     """
-    source = _environment().get_template(MODULE_TEMPLATE).render(**context(config, tuned, experiment))
+    source = _environment().get_template(MODULE_TEMPLATE).render(**context(config, tuned))
     source = _tidy(source)
     compile(source, f"<{config.artifact_name()}>", "exec")  # a template bug fails here, not at import
     return source
