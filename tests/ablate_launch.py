@@ -32,6 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tqgen import bench, emit, render  # noqa: E402
 from tqgen.tuned import LAUNCH_FIELDS  # noqa: E402
 
+from ablate_stage1 import import_source  # noqa: E402  (beside this file)
+
 TRIGGER = "        tl.extra.cuda.gdc_launch_dependents()\n"
 EVERY_BATCH = ("_DEPENDENT_LAUNCH_MAX_BATCH = 1\n", "_DEPENDENT_LAUNCH_MAX_BATCH = 1 << 30\n")
 
@@ -64,13 +66,6 @@ def variant(source: str, name: str) -> str:
             raise SystemExit(f"variant {name!r}: {old.strip()[:60]!r} is not in the module once (a template changed?)")
         source = source.replace(old, new)
     return source
-
-
-def import_source(source: str, tag: str, folder: str):
-    path = os.path.join(folder, f"launch_{tag}.py")
-    with open(path, "w") as handle:
-        handle.write(source)
-    return emit.import_module_file(path)
 
 
 def time_item(item: str, names: list[str], folder: str) -> str:

@@ -32,6 +32,8 @@ from tqgen import bench, config as config_mod, emit, reference, render  # noqa: 
 from tqgen.testing import codebook_kwargs  # noqa: E402
 from tqgen.verify import store_differences  # noqa: E402
 
+from ablate_stage1 import import_source  # noqa: E402  (beside this file)
+
 NUM_KV_HEADS = 8
 VARIANTS = {
     "nofwht": ("_walsh_hadamard(key) * (", "key * ("),
@@ -62,6 +64,7 @@ def main() -> None:
     print(f"copy ceiling {ceiling:.0f} GB/s; {NUM_KV_HEADS} KV heads; graph replay")
     print("| config | module | launch | tokens | pattern | us | % of ceiling |")
     print("|---|---|---|---|---|---|---|")
+    folder = tempfile.mkdtemp(prefix="tqgen-ablate-store-")
     for path in args.configs:
         config = config_mod.resolve_arch(config_mod.load(path), torch.cuda.get_device_capability())
         module = emit.load(config, os.environ.get("TQGEN_CACHE_DIR", "/tmp/tqgen-ablate-store"))
@@ -70,15 +73,13 @@ def main() -> None:
         if config.key_format == "mse" and config.rotation == "hadamard":
             runs.append(("torch-rotated", module, dict(rotation=module.default_rotation(device).clone())))
         first = dict(zip(("block_t", "num_warps"), map(int, args.launch[0].split(":"))))
+        source = render.render(config) if args.variants else ""
         for name in args.variants:
             old, new = VARIANTS[name]
-            source = render.render(config)
             if old not in source:
                 raise SystemExit(f"variant {name!r} does not apply to {config.name}")
-            path = os.path.join(tempfile.mkdtemp(), f"{config.name}_{name}.py")
-            with open(path, "w") as handle:
-                handle.write(source.replace(old, new))
-            runs.append((name, emit.import_module_file(path), first))
+            tag = f"{config.name}_{name}".replace("-", "_")
+            runs.append((name, import_source(source.replace(old, new), tag, folder), first))
         runs += [(os.path.basename(m), emit.import_module_file(m), {}) for m in args.module
                  if os.path.basename(m).removesuffix(".py") == config.name]
         codebook = codebook_kwargs(module, device)

@@ -117,7 +117,8 @@ def test_store_rejects_bad_arguments(device, build_module):
 
 
 @pytest.mark.parametrize("layout", ["slots", "planes"])
-def test_hadamard_keys_are_rotated_in_the_kernel_and_other_matrices_by_torch(device, build_module, layout):
+def test_hadamard_keys_are_rotated_in_the_kernel_and_other_matrices_by_torch(device, build_module, layout,
+                                                                             monkeypatch):
     """The default rotation takes the kernel's Walsh-Hadamard transform; a copy of it (any other
     tensor) takes rotate_keys in torch. Both paths must give the reference's bytes."""
     config = make_config("k4v4", cache_layout=layout)
@@ -126,25 +127,23 @@ def test_hadamard_keys_are_rotated_in_the_kernel_and_other_matrices_by_torch(dev
     kwargs = codebook_kwargs(module, config, device)
     calls = []
     real = module.rotate_keys
-    try:
-        module.rotate_keys = lambda *args: calls.append(1) or real(*args)
-        for rotation, torch_calls in ((kwargs["rotation"], 0), (kwargs["rotation"].clone(), 1)):
-            cache = module.make_cache(batch.num_blocks, 2, device)
-            expected = cache.clone()
-            module.store(batch.key, batch.value, cache, batch.slot_mapping, rotation=rotation,
-                         centroids=kwargs["centroids"])
-            reference.store(config, batch.key, batch.value, expected, batch.slot_mapping, rotation,
-                            kwargs["centroids"])
-            assert len(calls) == torch_calls
-            assert store_differences(config, cache, expected, batch.key, batch.slot_mapping, rotation,
-                                     kwargs["centroids"]) == 0
-    finally:
-        module.rotate_keys = real
+    monkeypatch.setattr(module, "rotate_keys", lambda *args: calls.append(1) or real(*args))
+    for rotation, torch_calls in ((kwargs["rotation"], 0), (kwargs["rotation"].clone(), 1)):
+        cache = module.make_cache(batch.num_blocks, 2, device)
+        expected = cache.clone()
+        module.store(batch.key, batch.value, cache, batch.slot_mapping, rotation=rotation,
+                     centroids=kwargs["centroids"])
+        reference.store(config, batch.key, batch.value, expected, batch.slot_mapping, rotation,
+                        kwargs["centroids"])
+        assert len(calls) == torch_calls
+        assert store_differences(config, cache, expected, batch.key, batch.slot_mapping, rotation,
+                                 kwargs["centroids"]) == 0
 
 
 def test_store_differences_allows_only_boundary_ties_and_one_ulp_norms():
     """The comparison itself: a code may differ only on a decision boundary, a norm by one fp16 ulp."""
     config = make_config("k4v4")
+    layout = Layout.from_config(config)
     rotation = torch.eye(config.head_dim)  # rotated key = unit key: coordinates placed at will
     centroids = torch.tensor(codebook.centroids(config.key_bits, config.head_dim))
     boundary = float(reference.decision_boundaries(centroids)[9])  # between codes 9 and 10
@@ -154,9 +153,8 @@ def test_store_differences_allows_only_boundary_ties_and_one_ulp_norms():
     unit[0, 0, 2] = (1 - unit[0, 0, 0] ** 2 - unit[0, 0, 1] ** 2) ** 0.5  # a unit vector
     key = (unit * 3.0).float()
     slots = torch.tensor([0])
-    expected = torch.zeros(1, config.block_size, 1, Layout.from_config(config).slot_bytes, dtype=torch.uint8)
+    expected = torch.zeros(1, config.block_size, 1, layout.slot_bytes, dtype=torch.uint8)
     reference.store(config, key, key, expected, slots, rotation, centroids)
-    layout = Layout.from_config(config)
 
     def with_code(dim, code):
         cache = expected.clone()

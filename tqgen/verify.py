@@ -48,15 +48,18 @@ def store_differences(config: Config, cache: torch.Tensor, expected: torch.Tenso
     written = slot_mapping >= 0
     slots = slot_mapping[written].to(torch.int64)
     where = (slots // layout.page_size, slots % layout.page_size)
-    key_fields = [*range(layout.key_code_bytes), layout.key_norm_offset, layout.key_norm_offset + 1]
-    got_keys, want_keys = got[where][..., key_fields], want[where][..., key_fields]  # [tokens, heads, bytes]
-    for slots_view in (got, want):  # the key fields are compared below; every other byte must be equal
-        rows = slots_view[where]
-        rows[..., key_fields] = 0
-        slots_view[where] = rows
-    differing = int((got != want).sum())
+    got_rows, want_rows = got[where], want[where]  # [tokens, heads, slot_bytes]: copies
+    codes = reference.unpack_codes(got_rows[..., : layout.key_code_bytes], layout.key_bits, config.head_dim)
+    norm = slice(layout.key_norm_offset, layout.key_norm_offset + 2)
+    norm_bits = [rows[..., norm].contiguous().view(torch.int16).squeeze(-1).to(torch.int32)
+                 for rows in (got_rows, want_rows)]
+    for view, rows in ((got, got_rows), (want, want_rows)):  # key fields: compared below
+        rows[..., : layout.key_code_bytes] = 0
+        rows[..., norm] = 0
+        view[where] = rows
+    differing = int((got != want).sum())  # every other byte must be equal
+    differing += int(((norm_bits[0] - norm_bits[1]).abs() > 1).sum())
 
-    codes = reference.unpack_codes(got_keys[..., : layout.key_code_bytes], layout.key_bits, config.head_dim)
     exact = key[written].double()
     unit = exact / (exact.norm(dim=-1, keepdim=True) + 1e-8)
     rotated = (unit @ rotation.double().to(unit.device)).unsqueeze(-1).to(codes.device)
@@ -64,8 +67,6 @@ def store_differences(config: Config, cache: torch.Tensor, expected: torch.Tenso
     lowest = (rotated - BOUNDARY_TIE >= boundaries).sum(-1)  # the code of each side of a tie
     highest = (rotated + BOUNDARY_TIE >= boundaries).sum(-1)
     differing += int(((codes < lowest) | (codes > highest)).sum())
-    norms = [k[..., -2:].contiguous().view(torch.int16).squeeze(-1).to(torch.int32) for k in (got_keys, want_keys)]
-    differing += int(((norms[0] - norms[1]).abs() > 1).sum())
     return differing
 
 
