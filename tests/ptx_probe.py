@@ -2,6 +2,11 @@
 
     python3 tests/ptx_probe.py CONFIG [--block-kv 32] [--warps 1] [--stages 1] [--ptx OUT.ptx]
                                [--variants base nocorr ...]
+    python3 tests/ptx_probe.py CONFIG --store 16:4 [4:2 ...]
+
+--store compiles the store kernel instead, at block_t:num_warps (keys rotated in the
+kernel where the config's rotation allows it): registers, PTX instructions, comparisons
+(setp), shared-memory stores and the mix of global stores.
 
 --variants compiles the variants of tests/ablate_stage1.py side by side: registers,
 spills and shared-memory traffic show what each part of the kernel costs before any
@@ -55,6 +60,40 @@ def compile_stage1(module, block_kv: int, warps: int, stages: int):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
+def compile_store(module, block_t: int, warps: int):
+    """The store kernel for fp16 keys and values, with a real launch's specializations."""
+    kernel = module.tq_store
+    constants = {"BLOCK_T": block_t}
+    if "KEYS_ROTATED" in kernel.arg_names:
+        constants["KEYS_ROTATED"] = module.CONFIG["rotation"] != "hadamard"
+    pointer_types = {"key_ptr": "*fp16", "value_ptr": "*fp16", "slot_mapping_ptr": "*i64", "cache_ptr": "*u8"}
+    signature, attributes = {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointer_types.get(name, "*fp32")
+            attributes[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name.startswith(("stride_key", "stride_value", "stride_cache")):
+                attributes[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(kernel, signature, constants, attributes)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+
+
+def report_store(config, module, launches) -> None:
+    for launch in launches:
+        block_t, warps = map(int, launch.split(":"))
+        ptx = compile_store(module, block_t, warps).asm["ptx"]
+        instructions = [line for line in ptx.splitlines() if line.startswith("\t") and line.strip()
+                        and not line.strip().startswith(("//", ".", "{", "}")) and not line.strip().endswith(":")]
+        stores = collections.Counter(re.findall(r"st\.global(?:\.\w+)*", ptx))
+        print(f"{config.name} store {block_t}:{warps} (triton {triton.__version__}, sm90a): {ptxas_usage(ptx)}; "
+              f"{len(instructions)} PTX instructions, setp x{ptx.count('setp')}, st.shared x{ptx.count('st.shared')}; "
+              + ", ".join(f"{kind} x{count}" for kind, count in stores.most_common()), flush=True)
+
+
 def ptxas_usage(ptx: str) -> str:
     folder = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     for name in ("ptxas-blackwell", "ptxas"):  # the newer one accepts the newer PTX versions
@@ -98,8 +137,12 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=1)
     parser.add_argument("--ptx", help="also write the PTX here")
     parser.add_argument("--variants", nargs="+", help="compare variants (see the docstring)")
+    parser.add_argument("--store", nargs="+", metavar="BLOCK_T:WARPS", help="compile the store kernel instead")
     args = parser.parse_args()
     config = config_mod.resolve_arch(config_mod.load(args.config), (9, 0))
+    if args.store:
+        report_store(config, tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-ptx-")), args.store)
+        return
     if args.variants:
         compare_variants(config, args.variants, args.block_kv, args.warps, args.stages)
         return

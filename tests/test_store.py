@@ -1,11 +1,13 @@
 """The store kernel: byte-exact against the reference (MSE key codes of coordinates on a decision
 boundary excepted: tqgen.verify.store_differences), and nothing written outside its slots."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from conftest import PRESETS, codebook_kwargs, make_config
-from tqgen import codebook, reference
+from tqgen import codebook, reference, render
 from tqgen.layout import Layout
 from tqgen.verify import store_differences
 from tqgen.testing import paged_batch
@@ -180,3 +182,16 @@ def test_store_differences_allows_only_boundary_ties_and_one_ulp_norms():
     value = expected.clone()
     value[0, 0, 0, layout.value_code_offset] ^= 1
     assert differences(value) == 1
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_the_code_search_counts_the_boundaries_at_or_below_each_value(bits):
+    """The store's binary search (render.code_search), run as torch code: the code of every
+    value, boundaries themselves included (ties go up), equals the count the reference takes."""
+    boundaries = torch.sort(torch.randn(2**bits - 1, generator=torch.Generator().manual_seed(bits))).values
+    values = torch.cat([boundaries, boundaries - 1e-6, boundaries + 1e-6, torch.tensor([-1e9, 1e9]),
+                        torch.randn(1000, generator=torch.Generator().manual_seed(bits + 10))])
+    namespace = {"tl": SimpleNamespace(where=torch.where, int32=torch.int32), "rotated": values,
+                 **{f"boundary{j}": boundary for j, boundary in enumerate(boundaries)}}
+    exec("\n".join(render.code_search(bits)), namespace)
+    assert torch.equal(namespace["codes"], (values[:, None] >= boundaries).sum(-1).to(torch.int32))

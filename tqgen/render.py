@@ -87,6 +87,34 @@ def _tuning_summary(tuned: dict) -> str:
     return "; ".join(parts) + "; other shapes and devices use `decode_launch_defaults`."
 
 
+def code_search(bits: int) -> list[str]:
+    """Statements that set `codes` to each element's key code by a binary search over the
+    2**bits - 1 sorted decision boundaries (scalars `boundary{j}`), for the store kernel.
+
+    Bit `bits - 1 - level` (`code_bit{i}`, booleans) compares `rotated` with the middle
+    boundary of the interval the bits above it chose: 2**level candidates, narrowed pairwise
+    by tl.where over those bits, newest first. Intermediate thresholds are named
+    (`threshold{i}_{fold}_{k}`) to keep each line short.
+    """
+    lines = []
+    for level in range(bits):
+        bit = bits - 1 - level
+        width = 1 << (bits - level)  # boundaries + 1 per candidate interval
+        candidates = [f"boundary{prefix * width + width // 2 - 1}" for prefix in range(1 << level)]
+        for fold, decided in enumerate(range(bit + 1, bits)):  # newest decided bit first
+            pairs = [f"tl.where(code_bit{decided}, {candidates[k + 1]}, {candidates[k]})"
+                     for k in range(0, len(candidates), 2)]
+            if len(pairs) == 1:
+                candidates = pairs
+                break
+            candidates = [f"threshold{bit}_{fold}_{k}" for k in range(len(pairs))]
+            lines += [f"{name} = {pair}" for name, pair in zip(candidates, pairs)]
+        lines.append(f"code_bit{bit} = rotated >= {candidates[0]}")
+    lines.append(f"codes = code_bit{bits - 1}.to(tl.int32) << {bits - 1}")
+    lines += [f"codes |= code_bit{bit}.to(tl.int32)" + (f" << {bit}" if bit else "") for bit in range(bits - 2, -1, -1)]
+    return lines
+
+
 def nibble_selector(layout: Layout, bits: int, word: str, first_code: int) -> str:
     """Expression that moves codes first_code..first_code+3 of a group word into the four
     nibbles of a byte-permute selector (code k at bits 4k..). Bits moved by the same shift
@@ -138,6 +166,7 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         "split_orders": (SPLIT_LOW_ORDER, SPLIT_HIGH_ORDER),
         "word_bit": layout.group_word_bit,  # where each code bit of a group sits in its loaded word
         "nibble_selector": lambda bits, word, first_code: nibble_selector(layout, bits, word, first_code),
+        "code_search": code_search,  # store: the binary search for a key code
         # int32 registers per codebook byte table (common.py.jinja): 4 entries each, 8 entries at least.
         "table_registers": max(2, 2**config.key_bits // 4),
         "cache_strides": ("kv_cache.stride(0), kv_cache.stride(1)" if layout.planes
