@@ -46,6 +46,8 @@ def compile_stage1(module, block_kv: int, warps: int, stages: int):
     constants = {"GROUP_SIZE": 4, "BLOCK_H": 16, "BLOCK_KV": block_kv}
     if "DEPENDENT_LAUNCH" in kernel.arg_names:
         constants["DEPENDENT_LAUNCH"] = False  # what every launch above batch 1 compiles
+    if "ROTATE_QUERY" in kernel.arg_names:
+        constants["ROTATE_QUERY"] = True  # the config's own rotation, applied by stage 1
     for index, name in enumerate(kernel.arg_names):
         if name in constants:
             signature[name] = "constexpr"
@@ -53,7 +55,7 @@ def compile_stage1(module, block_kv: int, warps: int, stages: int):
             signature[name] = POINTER_TYPES.get(name, "*fp32")
             attributes[(index,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "i32"
+            signature[name] = "fp32" if name == "score_scale" else "i32"
             if name.startswith("stride_"):
                 attributes[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(kernel, signature, constants, attributes)
