@@ -250,16 +250,18 @@ def test_decode_reads_a_query_of_any_float_dtype_and_strides(device, build_modul
     check_decode(build_module(config), config, device, [40, 9, 17], dtype=dtype, strided_query=True)
 
 
-@pytest.mark.parametrize("rotation,seq_lens,dtype", [("default", [40], torch.float32), ("default", [40], torch.bfloat16),
-                                                    ("default", [40, 9, 17], torch.float32), ("copy", [40], torch.float32),
-                                                    ("random", [40], torch.float32)])
-def test_decode_rotates_the_query_in_stage1_or_in_its_own_kernel(device, build_module, rotation, seq_lens, dtype):
-    """At batch 1 the default rotation (the very tensor default_rotation returns) is applied by
-    stage 1's Walsh-Hadamard transform; a larger batch or any other tensor, even an equal copy,
-    takes tq_prepare_query. Each matches the reference, and the two paths agree to the fp16
-    rounding of the prepared query."""
+@pytest.mark.parametrize("rotation,batch,dtype", [("default", "small", torch.float32), ("default", "small", torch.bfloat16),
+                                                 ("default", "large", torch.float32), ("copy", "small", torch.float32),
+                                                 ("random", "small", torch.float32)])
+def test_decode_rotates_the_query_in_stage1_or_in_its_own_kernel(device, build_module, rotation, batch, dtype):
+    """Up to _ROTATE_QUERY_MAX_BATCH sequences the default rotation (the very tensor
+    default_rotation returns) is applied by stage 1's Walsh-Hadamard transform; a larger batch or
+    any other tensor, even an equal copy, takes tq_prepare_query. Each matches the reference, and
+    the two paths agree to the fp16 rounding of the prepared query."""
     config = planes_config("k3v4", 128)
     module = build_module(config)
+    seq_lens = [40, 9, 17] if batch == "small" else [9, 1, 17] * (module._ROTATE_QUERY_MAX_BATCH // 3 + 1)
+    assert (len(seq_lens) <= module._ROTATE_QUERY_MAX_BATCH) == (batch == "small")
     kwargs = codebook_kwargs(module, config, device)
     if rotation == "copy":
         kwargs["rotation"] = kwargs["rotation"].clone()
@@ -272,7 +274,7 @@ def test_decode_rotates_the_query_in_stage1_or_in_its_own_kernel(device, build_m
         out = check_decode(module, config, device, seq_lens, dtype=dtype, codebook=kwargs, strided_query=True)
     finally:
         module.tq_prepare_query = counting.kernel
-    assert len(launches) == (0 if rotation == "default" and len(seq_lens) == 1 else 1)
+    assert len(launches) == (0 if rotation == "default" and batch == "small" else 1)
     if rotation == "copy":
         kwargs["rotation"] = module.default_rotation(device)
         in_stage1 = check_decode(module, config, device, seq_lens, codebook=kwargs, strided_query=True)
