@@ -334,13 +334,29 @@ def test_decode_with_records_not_multiples_of_16_bytes(device, build_module, spe
     check_decode(build_module(config), config, device, [1, 23, 70])
 
 
+# Every launch `tqgen tune` can pick by default, plus the stage counts of the heuristic.
+LAUNCH_GRID = sorted({(c["block_kv"], c["num_warps"], c["num_stages"]) for c in tune.SearchSpace().candidates()}
+                     | {(32, 1, 2), (64, 2, 3)})
+
+
 @pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
-@pytest.mark.parametrize("block_kv,num_warps,num_stages", sorted(
-    {(c["block_kv"], c["num_warps"], c["num_stages"]) for c in tune.SearchSpace().candidates()}
-    | {(32, 1, 2), (64, 2, 3)}))
+@pytest.mark.parametrize("block_kv,num_warps,num_stages", LAUNCH_GRID)
 def test_launch_parameters(device, build_module, preset, block_kv, num_warps, num_stages):
     config = planes_config(preset)
     check_decode(build_module(config), config, device, [5, 200], block_kv=block_kv, num_warps=num_warps,
+                  num_stages=num_stages, num_splits=3)
+
+
+@pytest.mark.parametrize("block_kv,num_warps,num_stages", LAUNCH_GRID)
+def test_launch_parameters_with_the_query_from_tq_prepare_query(device, build_module, block_kv, num_warps, num_stages):
+    """The same launches over stage 1's other specialization (ROTATE_QUERY off, the query from
+    tq_prepare_query), which batches above _ROTATE_QUERY_MAX_BATCH take: forced here by a copy of
+    the default rotation."""
+    config = planes_config("k3v4")
+    module = build_module(config)
+    codebook = codebook_kwargs(module, config, device)
+    codebook["rotation"] = codebook["rotation"].clone()
+    check_decode(module, config, device, [5, 200], codebook=codebook, block_kv=block_kv, num_warps=num_warps,
                   num_stages=num_stages, num_splits=3)
 
 
