@@ -43,37 +43,10 @@ from tqgen import config as config_mod  # noqa: E402
 POINTER_TYPES = {"query_ptr": "*fp16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32"}
 
 
-def compile_stage1(module, block_kv: int, warps: int, stages: int):
-    """Stage 1 for group size 4, with the argument specializations a real launch gets (16-aligned
-    pointers and strides)."""
-    kernel = module.tq_decode_stage1
-    signature, attributes = {}, {}
-    constants = {"GROUP_SIZE": 4, "BLOCK_H": 16, "BLOCK_KV": block_kv}
-    if "DEPENDENT_LAUNCH" in kernel.arg_names:
-        constants["DEPENDENT_LAUNCH"] = False  # what every launch above batch 1 compiles
-    if "ROTATE_QUERY" in kernel.arg_names:
-        constants["ROTATE_QUERY"] = False  # the query from tq_prepare_query, as above batch 8
-    for index, name in enumerate(kernel.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = POINTER_TYPES.get(name, "*fp32")
-            attributes[(index,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "fp32" if name == "score_scale" else "i32"
-            if name.startswith("stride_"):
-                attributes[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(kernel, signature, constants, attributes)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-
-
-def compile_store(module, block_t: int, warps: int):
-    """The store kernel for fp16 keys and values, with a real launch's specializations."""
-    kernel = module.tq_store
-    constants = {"BLOCK_T": block_t}
-    if "KEYS_ROTATED" in kernel.arg_names:
-        constants["KEYS_ROTATED"] = module.CONFIG["rotation"] != "hadamard"
-    pointer_types = {"key_ptr": "*fp16", "value_ptr": "*fp16", "slot_mapping_ptr": "*i64", "cache_ptr": "*u8"}
+def _compile_sm90(kernel, constants: dict, pointer_types: dict, aligned_strides: tuple[str, ...], warps: int,
+                  stages: int):
+    """Compile for sm90 with a real launch's specializations: pointers 16-byte aligned, the named
+    strides multiples of 16, every other argument a 32-bit int (score_scale a float)."""
     signature, attributes = {}, {}
     for index, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -82,11 +55,32 @@ def compile_store(module, block_t: int, warps: int):
             signature[name] = pointer_types.get(name, "*fp32")
             attributes[(index,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "i32"
-            if name.startswith(("stride_key", "stride_value", "stride_cache")):
+            signature[name] = "fp32" if name == "score_scale" else "i32"
+            if name.startswith(aligned_strides):
                 attributes[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(kernel, signature, constants, attributes)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def compile_stage1(module, block_kv: int, warps: int, stages: int):
+    """Stage 1 for group size 4."""
+    kernel = module.tq_decode_stage1
+    constants = {"GROUP_SIZE": 4, "BLOCK_H": 16, "BLOCK_KV": block_kv}
+    if "DEPENDENT_LAUNCH" in kernel.arg_names:
+        constants["DEPENDENT_LAUNCH"] = False  # what every launch above batch 1 compiles
+    if "ROTATE_QUERY" in kernel.arg_names:
+        constants["ROTATE_QUERY"] = False  # the query from tq_prepare_query, as above batch 8
+    return _compile_sm90(kernel, constants, POINTER_TYPES, ("stride_",), warps, stages)
+
+
+def compile_store(module, block_t: int, warps: int):
+    """The store kernel for fp16 keys and values."""
+    kernel = module.tq_store
+    constants = {"BLOCK_T": block_t}
+    if "KEYS_ROTATED" in kernel.arg_names:
+        constants["KEYS_ROTATED"] = module.CONFIG["rotation"] != "hadamard"
+    pointer_types = {"key_ptr": "*fp16", "value_ptr": "*fp16", "slot_mapping_ptr": "*i64", "cache_ptr": "*u8"}
+    return _compile_sm90(kernel, constants, pointer_types, ("stride_key", "stride_value", "stride_cache"), warps, 1)
 
 
 def report_store(config, module, launches) -> None:

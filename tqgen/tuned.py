@@ -156,6 +156,20 @@ def locked(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
+def set_aside(path: Path) -> Path:
+    """Rename an unusable tuned file to NAME.json.replaced-TIME beside it (a name no reader
+    looks for) and return the new path: nothing is deleted."""
+    with locked(path):
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        kept = path.with_name(f"{path.name}.replaced-{stamp}")
+        number = 1
+        while kept.exists():
+            number += 1
+            kept = path.with_name(f"{path.name}.replaced-{stamp}-{number}")
+        os.replace(path, kept)
+    return kept
+
+
 def save_bucket(path: Path, metadata: dict[str, Any], key: str, entry: dict[str, Any]) -> None:
     """Merge one bucket into the file under the lock and replace the file atomically.
 
