@@ -62,14 +62,17 @@ def _compile_sm90(kernel, constants: dict, pointer_types: dict, aligned_strides:
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
-def compile_stage1(module, block_kv: int, warps: int, stages: int):
-    """Stage 1 for group size 4."""
+def compile_stage1(module, block_kv: int, warps: int, stages: int, rotate_query: bool = False):
+    """Stage 1 for group size 4; rotate_query compiles the specialization that rotates the query
+    itself (planes MSE configs, up to _ROTATE_QUERY_MAX_BATCH sequences)."""
     kernel = module.tq_decode_stage1
     constants = {"GROUP_SIZE": 4, "BLOCK_H": 16, "BLOCK_KV": block_kv}
     if "DEPENDENT_LAUNCH" in kernel.arg_names:
         constants["DEPENDENT_LAUNCH"] = False  # what every launch above batch 1 compiles
     if "ROTATE_QUERY" in kernel.arg_names:
-        constants["ROTATE_QUERY"] = False  # the query from tq_prepare_query, as above batch 8
+        constants["ROTATE_QUERY"] = rotate_query
+    elif rotate_query:
+        raise SystemExit("--rotate-query: this config's stage 1 does not rotate the query")
     return _compile_sm90(kernel, constants, POINTER_TYPES, ("stride_",), warps, stages)
 
 
@@ -173,6 +176,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", help="compare variants (see the docstring)")
     parser.add_argument("--store", nargs="+", metavar="BLOCK_T:WARPS", help="compile the store kernel instead")
     parser.add_argument("--sass", action="store_true", help="also print the SASS opcode mix of stage 1's loop")
+    parser.add_argument("--rotate-query", action="store_true",
+                        help="compile stage 1 as it rotates the query itself (planes MSE, small batches)")
     args = parser.parse_args()
     config = config_mod.resolve_arch(config_mod.load(args.config), (9, 0))
     if args.store:
@@ -182,7 +187,7 @@ def main() -> None:
         compare_variants(config, args.variants, args.block_kv, args.warps, args.stages, args.sass)
         return
     module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-ptx-"))
-    ptx = compile_stage1(module, args.block_kv, args.warps, args.stages).asm["ptx"]
+    ptx = compile_stage1(module, args.block_kv, args.warps, args.stages, args.rotate_query).asm["ptx"]
     if args.ptx:
         with open(args.ptx, "w") as handle:
             handle.write(ptx)

@@ -163,6 +163,19 @@ def test_force_keeps_an_unusable_file_beside_the_new_one(setup, tmp_path):
     assert not warnings and set(baked["Test GPU"]["buckets"]) == {"g2_b1_t256", "g2_b2_t256"}
 
 
+def test_setting_aside_checks_the_file_again_under_the_lock(setup, tmp_path):
+    """Another tuner may have replaced the unusable file (or set it aside) between this tuner's
+    first read and its lock: then nothing is renamed and its buckets are kept."""
+    config, _ = setup
+    path, _ = run_tune(setup, tmp_path, buckets=BUCKETS[:1])
+    metadata = tuned.make_metadata(config, FINGERPRINT)
+    before = path.read_bytes()
+    assert tuned.set_aside_unusable(path, metadata) == (None, json.loads(before)["buckets"])
+    assert path.read_bytes() == before and sorted(p.name for p in path.parent.iterdir()) == [path.name, path.name + ".lock"]
+    path.unlink()
+    assert tuned.set_aside_unusable(path, metadata) == (None, {})
+
+
 def test_a_wrong_candidate_is_rejected_not_picked(setup, tmp_path, monkeypatch):
     config, module = setup
     original = module.decode

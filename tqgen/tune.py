@@ -108,7 +108,7 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
     """Tune the buckets not yet in the file (all with force=True); returns the tuned file's path.
 
     A file that is corrupt or tuned for another setup (kernel, triton, device) is refused,
-    or with force=True renamed to NAME.json.replaced-TIME (tuned.set_aside) and re-tuned.
+    or with force=True renamed to NAME.json.replaced-TIME (tuned.set_aside_unusable) and re-tuned.
     """
     if getattr(module, "DEPENDENT_LAUNCH", True) is False:
         # The batch-1 buckets are timed with the dependent launches serving uses.
@@ -122,8 +122,9 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
         if not force:
             raise TqgenError(f"not overwriting {exc}; re-tune with --force (which keeps that file as "
                              f"{path.name}.replaced-TIME) or move it away") from None
-        progress(f"{exc}: kept as {tuned.set_aside(path).name}, re-tuning every bucket")
-        done = {}
+        kept, done = tuned.set_aside_unusable(path, metadata)
+        if kept is not None:
+            progress(f"{exc}: kept as {kept.name}, re-tuning every bucket")
     # Tune at the top of each bucket, once per bucket.
     shapes: dict[str, tuple[int, int, int]] = {}
     for group_size, batch, context in buckets:
