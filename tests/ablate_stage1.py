@@ -20,6 +20,9 @@ give wrong outputs on purpose: they measure what that work costs.
 - nocorr:        no norm correction (centroid squares neither summed nor applied)
 - sqdot:         centroid squares summed by a tl.dot of fp16 squares against ones, not by tl.sum
                  (slots layout only)
+- capN:          stage 1 compiled with at most N registers per thread (triton's maxnreg), e.g. cap168
+- rotate_every_batch: stage 1 rotates the query at every batch (planes MSE configs with the
+                 Hadamard rotation; the shipped module does so up to _ROTATE_QUERY_MAX_BATCH)
 - --module PATH: extra module files, e.g. rendered from an older commit with
                  `git stash; tqgen render CONFIG > old.py` (set arch: sm90 in the config)
 """
@@ -83,6 +86,12 @@ def variant(source: str, name: str) -> str:
     if "novalue" in name:
         edited = re.sub(r"acc(\d) = tl\.dot\(scaled_probs, .*\n.*acc\d \* rescale\[:, None\]\)",
                         r"acc\1 = acc\1 * rescale[:, None] + tl.sum(value_word, axis=0).to(tl.float32)[None, :]", edited)
+    cap = re.fullmatch(r"cap(\d+)", name)
+    if cap:
+        launch = "BLOCK_KV=block_kv, num_warps=num_warps, num_stages=num_stages)"
+        edited = edited.replace(launch, f"{launch[:-1]}, maxnreg={cap.group(1)})")
+    if name == "rotate_every_batch":
+        edited = re.sub(r"^_ROTATE_QUERY_MAX_BATCH = \d+$", "_ROTATE_QUERY_MAX_BATCH = 1 << 30", edited, flags=re.M)
     if edited == source and name != "base":
         raise SystemExit(f"variant {name!r} matched nothing in this module (a template changed?)")
     return edited

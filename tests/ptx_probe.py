@@ -3,6 +3,11 @@
     python3 tests/ptx_probe.py CONFIG [--block-kv 32] [--warps 1] [--stages 1] [--ptx OUT.ptx]
                                [--variants base nocorr ...]
     python3 tests/ptx_probe.py CONFIG --store 16:4 [4:2 ...]
+    python3 tests/ptx_probe.py CONFIG --block-kv 64 --sass [--variants base nocorr ...]
+
+--sass assembles the PTX with the ptxas bundled with triton (sm90a) and prints the
+SASS opcode mix of stage 1's main loop (the longest backward branch): what one tile
+costs each thread, counted the way the GPU executes it.
 
 --store compiles the store kernel instead, at block_t:num_warps (keys rotated in the
 kernel where the config's rotation allows it): registers, PTX instructions, comparisons
@@ -38,35 +43,10 @@ from tqgen import config as config_mod  # noqa: E402
 POINTER_TYPES = {"query_ptr": "*fp16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32"}
 
 
-def compile_stage1(module, block_kv: int, warps: int, stages: int):
-    """Stage 1 for group size 4, with the argument specializations a real launch gets (16-aligned
-    pointers and strides)."""
-    kernel = module.tq_decode_stage1
-    signature, attributes = {}, {}
-    constants = {"GROUP_SIZE": 4, "BLOCK_H": 16, "BLOCK_KV": block_kv}
-    if "DEPENDENT_LAUNCH" in kernel.arg_names:
-        constants["DEPENDENT_LAUNCH"] = False  # what every launch above batch 1 compiles
-    for index, name in enumerate(kernel.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = POINTER_TYPES.get(name, "*fp32")
-            attributes[(index,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "i32"
-            if name.startswith("stride_"):
-                attributes[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(kernel, signature, constants, attributes)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-
-
-def compile_store(module, block_t: int, warps: int):
-    """The store kernel for fp16 keys and values, with a real launch's specializations."""
-    kernel = module.tq_store
-    constants = {"BLOCK_T": block_t}
-    if "KEYS_ROTATED" in kernel.arg_names:
-        constants["KEYS_ROTATED"] = module.CONFIG["rotation"] != "hadamard"
-    pointer_types = {"key_ptr": "*fp16", "value_ptr": "*fp16", "slot_mapping_ptr": "*i64", "cache_ptr": "*u8"}
+def _compile_sm90(kernel, constants: dict, pointer_types: dict, aligned_strides: tuple[str, ...], warps: int,
+                  stages: int):
+    """Compile for sm90 with a real launch's specializations: pointers 16-byte aligned, the named
+    strides multiples of 16, every other argument a 32-bit int (score_scale a float)."""
     signature, attributes = {}, {}
     for index, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -75,11 +55,35 @@ def compile_store(module, block_t: int, warps: int):
             signature[name] = pointer_types.get(name, "*fp32")
             attributes[(index,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "i32"
-            if name.startswith(("stride_key", "stride_value", "stride_cache")):
+            signature[name] = "fp32" if name == "score_scale" else "i32"
+            if name.startswith(aligned_strides):
                 attributes[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(kernel, signature, constants, attributes)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def compile_stage1(module, block_kv: int, warps: int, stages: int, rotate_query: bool = False):
+    """Stage 1 for group size 4; rotate_query compiles the specialization that rotates the query
+    itself (planes MSE configs, up to _ROTATE_QUERY_MAX_BATCH sequences)."""
+    kernel = module.tq_decode_stage1
+    constants = {"GROUP_SIZE": 4, "BLOCK_H": 16, "BLOCK_KV": block_kv}
+    if "DEPENDENT_LAUNCH" in kernel.arg_names:
+        constants["DEPENDENT_LAUNCH"] = False  # what every launch above batch 1 compiles
+    if "ROTATE_QUERY" in kernel.arg_names:
+        constants["ROTATE_QUERY"] = rotate_query
+    elif rotate_query:
+        raise SystemExit("--rotate-query: this config's stage 1 does not rotate the query")
+    return _compile_sm90(kernel, constants, POINTER_TYPES, ("stride_",), warps, stages)
+
+
+def compile_store(module, block_t: int, warps: int):
+    """The store kernel for fp16 keys and values."""
+    kernel = module.tq_store
+    constants = {"BLOCK_T": block_t}
+    if "KEYS_ROTATED" in kernel.arg_names:
+        constants["KEYS_ROTATED"] = module.CONFIG["rotation"] != "hadamard"
+    pointer_types = {"key_ptr": "*fp16", "value_ptr": "*fp16", "slot_mapping_ptr": "*i64", "cache_ptr": "*u8"}
+    return _compile_sm90(kernel, constants, pointer_types, ("stride_key", "stride_value", "stride_cache"), warps, 1)
 
 
 def report_store(config, module, launches) -> None:
@@ -95,9 +99,8 @@ def report_store(config, module, launches) -> None:
 
 
 def ptxas_usage(ptx: str) -> str:
-    folder = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     for name in ("ptxas-blackwell", "ptxas"):  # the newer one accepts the newer PTX versions
-        path = os.path.join(folder, name)
+        path = _bundled_tool(name)
         if not os.path.exists(path):
             continue
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as handle:
@@ -111,7 +114,39 @@ def ptxas_usage(ptx: str) -> str:
     return "ptxas not available"
 
 
-def compare_variants(config, names, block_kv, warps, stages) -> None:
+def _bundled_tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def sass_loop_mix(ptx: str) -> str:
+    """The opcode mix of the kernel's longest loop, from the SASS of ptxas (sm90a) and cuobjdump."""
+    with tempfile.TemporaryDirectory() as folder:
+        source, cubin = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.cubin")
+        with open(source, "w") as handle:
+            handle.write(ptx)
+        subprocess.run([_bundled_tool("ptxas"), "-arch=sm_90a", source, "-o", cubin], check=True, capture_output=True)
+        sass = subprocess.run([_bundled_tool("cuobjdump"), "-sass", cubin], check=True, capture_output=True,
+                              text=True).stdout
+    instructions = []  # (address, opcode, line)
+    for line in sass.splitlines():
+        found = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", line)
+        if found:
+            instructions.append((int(found.group(1), 16), found.group(2), line))
+    loop = None  # (start, end) of the longest backward branch
+    for address, opcode, line in instructions:
+        target = re.search(r"BRA\s+(?:`\()?\S*?0x([0-9a-f]+)", line) if opcode.startswith("BRA") else None
+        if target and int(target.group(1), 16) < address:
+            start = int(target.group(1), 16)
+            if loop is None or address - start > loop[1] - loop[0]:
+                loop = (start, address)
+    if loop is None:
+        return "no loop"
+    body = [opcode.split(".")[0] for address, opcode, _ in instructions if loop[0] <= address <= loop[1]]
+    mix = collections.Counter(body).most_common(12)
+    return f"{len(body)} SASS instructions in the loop: " + ", ".join(f"{op} {count}" for op, count in mix)
+
+
+def compare_variants(config, names, block_kv, warps, stages, sass=False) -> None:
     import ablate_stage1  # beside this file
     from tqgen import render
 
@@ -127,6 +162,8 @@ def compare_variants(config, names, block_kv, warps, stages) -> None:
         print(f"| {name} | {ptxas_usage(ptx)} | {ptx.count('st.shared')} | "
               f"{ptx.count('ld.shared') + ptx.count('ldmatrix')} | {ptx.count('bar.sync')} | "
               f"{ptx.count('mma.sync')} | {ptx.count('prmt')} |", flush=True)
+        if sass:
+            print(f"|   | {sass_loop_mix(ptx)} | | | | | |", flush=True)
 
 
 def main() -> None:
@@ -138,16 +175,19 @@ def main() -> None:
     parser.add_argument("--ptx", help="also write the PTX here")
     parser.add_argument("--variants", nargs="+", help="compare variants (see the docstring)")
     parser.add_argument("--store", nargs="+", metavar="BLOCK_T:WARPS", help="compile the store kernel instead")
+    parser.add_argument("--sass", action="store_true", help="also print the SASS opcode mix of stage 1's loop")
+    parser.add_argument("--rotate-query", action="store_true",
+                        help="compile stage 1 as it rotates the query itself (planes MSE, small batches)")
     args = parser.parse_args()
     config = config_mod.resolve_arch(config_mod.load(args.config), (9, 0))
     if args.store:
         report_store(config, tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-ptx-")), args.store)
         return
     if args.variants:
-        compare_variants(config, args.variants, args.block_kv, args.warps, args.stages)
+        compare_variants(config, args.variants, args.block_kv, args.warps, args.stages, args.sass)
         return
     module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-ptx-"))
-    ptx = compile_stage1(module, args.block_kv, args.warps, args.stages).asm["ptx"]
+    ptx = compile_stage1(module, args.block_kv, args.warps, args.stages, args.rotate_query).asm["ptx"]
     if args.ptx:
         with open(args.ptx, "w") as handle:
             handle.write(ptx)
@@ -156,6 +196,8 @@ def main() -> None:
     print("  global loads: " + ", ".join(f"{kind} x{count}" for kind, count in loads.most_common()))
     print(f"  cp.async x{len(re.findall(r'cp[.]async[.]c[ag]', ptx))}, "
           f"ld.shared x{len(re.findall(r'ld[.]shared', ptx))}, st.shared x{len(re.findall(r'st[.]shared', ptx))}")
+    if args.sass:
+        print("  " + sass_loop_mix(ptx))
 
 
 if __name__ == "__main__":

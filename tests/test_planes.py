@@ -161,13 +161,16 @@ def test_slots_configs_keep_their_hash_and_planes_configs_get_their_own():
 
 @pytest.mark.parametrize("preset,layout", [("k3v4", "planes"), ("k8v4", "planes"), ("k3v4", "slots"), ("k8v4", "slots")])
 def test_who_prepares_the_query(preset, layout):
-    """Both layouts prepare the query in Triton: tq_prepare_query for MSE keys, stage 1 for fp8 keys;
-    no torch op runs before stage 1."""
+    """Both layouts prepare the query in Triton and no torch op runs before stage 1. Stage 1 scales
+    it for fp8 keys; for MSE keys in the planes layout it also rotates it (a Walsh-Hadamard
+    transform) when the rotation is the config's Hadamard, and tq_prepare_query does the rest."""
     source = render.render(make_config(preset, cache_layout=layout))
     decode = source.split("\ndef decode(")[1].split("\ndef ")[0]
+    stage1_arguments = source.split("def tq_decode_stage1(")[1].split("):")[0]
     assert ("def tq_prepare_query(" in source) == (preset == "k3v4")
     assert "query.to(torch.float32)" not in decode  # the torch ops that ran before stage 1
-    assert ("score_scale," in source.split("def tq_decode_stage1(")[1].split("):")[0]) == (preset == "k8v4")
+    assert ("score_scale," in stage1_arguments) == (preset == "k8v4" or layout == "planes")
+    assert ("ROTATE_QUERY" in stage1_arguments) == (preset == "k3v4" and layout == "planes")
 
 
 # --- kernels -----------------------------------------------------------------
@@ -247,6 +250,48 @@ def test_decode_reads_a_query_of_any_float_dtype_and_strides(device, build_modul
     check_decode(build_module(config), config, device, [40, 9, 17], dtype=dtype, strided_query=True)
 
 
+@pytest.mark.parametrize("rotation,batch,dtype", [("default", "small", torch.float32), ("default", "small", torch.bfloat16),
+                                                 ("default", "large", torch.float32), ("copy", "small", torch.float32),
+                                                 ("random", "small", torch.float32)])
+def test_decode_rotates_the_query_in_stage1_or_in_its_own_kernel(device, build_module, rotation, batch, dtype):
+    """Up to _ROTATE_QUERY_MAX_BATCH sequences the default rotation (the very tensor
+    default_rotation returns) is applied by stage 1's Walsh-Hadamard transform; a larger batch or
+    any other tensor, even an equal copy, takes tq_prepare_query. Each matches the reference, and
+    the two paths agree to the fp16 rounding of the prepared query."""
+    config = planes_config("k3v4", 128)
+    module = build_module(config)
+    seq_lens = [40, 9, 17] if batch == "small" else [9, 1, 17] * (module._ROTATE_QUERY_MAX_BATCH // 3 + 1)
+    assert (len(seq_lens) <= module._ROTATE_QUERY_MAX_BATCH) == (batch == "small")
+    kwargs = codebook_kwargs(module, config, device)
+    if rotation == "copy":
+        kwargs["rotation"] = kwargs["rotation"].clone()
+    elif rotation == "random":
+        kwargs["rotation"] = torch.linalg.qr(torch.randn(128, 128, generator=torch.Generator().manual_seed(7)))[0].to(device)
+    launches = []
+    counting = _CountingKernel(module.tq_prepare_query, launches)
+    module.tq_prepare_query = counting  # the launcher looks the kernel up in the module's globals
+    try:
+        out = check_decode(module, config, device, seq_lens, dtype=dtype, codebook=kwargs, strided_query=True)
+    finally:
+        module.tq_prepare_query = counting.kernel
+    assert len(launches) == (0 if rotation == "default" and batch == "small" else 1)
+    if rotation == "copy":
+        kwargs["rotation"] = module.default_rotation(device)
+        in_stage1 = check_decode(module, config, device, seq_lens, codebook=kwargs, strided_query=True)
+        assert relative_error(in_stage1, out) < 5e-4
+
+
+class _CountingKernel:
+    """Stands in for a kernel in a module's globals and records each launch."""
+
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
 @pytest.mark.parametrize("layout", ["slots", "planes"])
 def test_stage2_ignores_what_empty_splits_left_in_the_workspace(device, build_module, layout):
     """Stage 2 (both layouts) loads every split's partial output before it knows which splits are
@@ -289,13 +334,29 @@ def test_decode_with_records_not_multiples_of_16_bytes(device, build_module, spe
     check_decode(build_module(config), config, device, [1, 23, 70])
 
 
+# Every launch `tqgen tune` can pick by default, plus the stage counts of the heuristic.
+LAUNCH_GRID = sorted({(c["block_kv"], c["num_warps"], c["num_stages"]) for c in tune.SearchSpace().candidates()}
+                     | {(32, 1, 2), (64, 2, 3)})
+
+
 @pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
-@pytest.mark.parametrize("block_kv,num_warps,num_stages", sorted(
-    {(c["block_kv"], c["num_warps"], c["num_stages"]) for c in tune.SearchSpace().candidates()}
-    | {(32, 1, 2), (64, 2, 3)}))
+@pytest.mark.parametrize("block_kv,num_warps,num_stages", LAUNCH_GRID)
 def test_launch_parameters(device, build_module, preset, block_kv, num_warps, num_stages):
     config = planes_config(preset)
     check_decode(build_module(config), config, device, [5, 200], block_kv=block_kv, num_warps=num_warps,
+                  num_stages=num_stages, num_splits=3)
+
+
+@pytest.mark.parametrize("block_kv,num_warps,num_stages", LAUNCH_GRID)
+def test_launch_parameters_with_the_query_from_tq_prepare_query(device, build_module, block_kv, num_warps, num_stages):
+    """The same launches over stage 1's other specialization (ROTATE_QUERY off, the query from
+    tq_prepare_query), which batches above _ROTATE_QUERY_MAX_BATCH take: forced here by a copy of
+    the default rotation."""
+    config = planes_config("k3v4")
+    module = build_module(config)
+    codebook = codebook_kwargs(module, config, device)
+    codebook["rotation"] = codebook["rotation"].clone()
+    check_decode(module, config, device, [5, 200], codebook=codebook, block_kv=block_kv, num_warps=num_warps,
                   num_stages=num_stages, num_splits=3)
 
 

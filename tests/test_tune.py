@@ -142,6 +142,40 @@ def test_unusable_files_are_reported_ignored_and_never_overwritten(setup, tmp_pa
         assert str(path) in capsys.readouterr().err
 
 
+def test_force_keeps_an_unusable_file_beside_the_new_one(setup, tmp_path):
+    """--force re-tunes over a file of another kernel (the usual case after a kernel edit), and
+    the old file stays, renamed to a name no reader looks for."""
+    config, _ = setup
+    path, _ = run_tune(setup, tmp_path, buckets=BUCKETS[:1])
+    document = json.loads(path.read_text())
+    document["metadata"]["kernel_hash"] = "0" * 64
+    path.write_text(json.dumps(document))
+    before = path.read_bytes()
+    _, lines = run_tune(setup, tmp_path, force=True)
+    kept = [p for p in path.parent.iterdir() if p != path and not p.name.endswith(".lock")]
+    assert len(kept) == 1 and kept[0].name.startswith(path.name + ".replaced-") and kept[0].read_bytes() == before
+    assert "kept as " + kept[0].name in lines[0] and "kernel_hash" in lines[0]
+    fresh = json.loads(path.read_text())
+    assert fresh["metadata"]["kernel_hash"] == render.decode_kernel_hash(config)
+    assert list(fresh["buckets"]) == ["g2_b1_t256", "g2_b2_t256"]
+    warnings = []
+    baked = tuned.baked_launches(tmp_path, config, warnings.append)  # the new file, not the kept one
+    assert not warnings and set(baked["Test GPU"]["buckets"]) == {"g2_b1_t256", "g2_b2_t256"}
+
+
+def test_setting_aside_checks_the_file_again_under_the_lock(setup, tmp_path):
+    """Another tuner may have replaced the unusable file (or set it aside) between this tuner's
+    first read and its lock: then nothing is renamed and its buckets are kept."""
+    config, _ = setup
+    path, _ = run_tune(setup, tmp_path, buckets=BUCKETS[:1])
+    metadata = tuned.make_metadata(config, FINGERPRINT)
+    before = path.read_bytes()
+    assert tuned.set_aside_unusable(path, metadata) == (None, json.loads(before)["buckets"])
+    assert path.read_bytes() == before and sorted(p.name for p in path.parent.iterdir()) == [path.name, path.name + ".lock"]
+    path.unlink()
+    assert tuned.set_aside_unusable(path, metadata) == (None, {})
+
+
 def test_a_wrong_candidate_is_rejected_not_picked(setup, tmp_path, monkeypatch):
     config, module = setup
     original = module.decode

@@ -298,7 +298,9 @@ def make_parser() -> argparse.ArgumentParser:
     tune.add_argument("--stages", type=int, nargs="+", metavar="N", help="candidates (default: 1 2)")
     tune.add_argument("--splits", type=int, nargs="+", metavar="N", help="candidates (default: 4 8 16 32 64)")
     tune.add_argument("--kv-heads", type=int, default=8)
-    tune.add_argument("--force", action="store_true", help="re-tune buckets already in the file")
+    tune.add_argument("--force", action="store_true",
+                      help="re-tune buckets already in the file; a file tuned for another setup (kernel, triton, "
+                           "device) or damaged is kept as NAME.json.replaced-TIME and tuned afresh")
     tune.add_argument("--tuned-dir", metavar="DIR", help="default: tuned/ of the checkout ($TQGEN_TUNED_DIR)")
     tune.add_argument("--cache-dir", metavar="DIR")
     tune.set_defaults(run=_cmd_tune)

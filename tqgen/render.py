@@ -177,6 +177,12 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         "key_fp8": layout.key_fp8,
         # MSE keys under the config's Hadamard rotation: store rotates them by a Walsh-Hadamard transform.
         "hadamard_keys": not layout.key_fp8 and config.rotation == "hadamard",
+        # ... and planes decode rotates the query in stage 1 the same way: at head_dim 128, the only
+        # one timed (64 would need padded code planes; at 256 ptxas puts twice the stack of the other
+        # path in stage 1, untimed). Slots decode keeps tq_prepare_query until its tuned launches are
+        # re-timed. MSE keys always take the code-plane path that this branch of stage 1 feeds.
+        "stage1_rotates_query": (not layout.key_fp8 and config.rotation == "hadamard" and layout.planes
+                                 and config.head_dim == 128),
         "fp8_hardware": fp8_hardware,
         "min_capability": min_capability,
         "norm_correction": config.norm_correction,

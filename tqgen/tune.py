@@ -105,7 +105,11 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
          root: Path, fingerprint: dict, timer: Callable = cuda_graph_timer,
          num_kv_heads: int = 8, device="cuda", force: bool = False,
          progress: Callable[[str], None] = print) -> Path:
-    """Tune the buckets not yet in the file (all with force=True); returns the tuned file's path."""
+    """Tune the buckets not yet in the file (all with force=True); returns the tuned file's path.
+
+    A file that is corrupt or tuned for another setup (kernel, triton, device) is refused,
+    or with force=True renamed to NAME.json.replaced-TIME (tuned.set_aside_unusable) and re-tuned.
+    """
     if getattr(module, "DEPENDENT_LAUNCH", True) is False:
         # The batch-1 buckets are timed with the dependent launches serving uses.
         raise TqgenError("tuning times decode as it is served: unset TQGEN_DEPENDENT_LAUNCH=0 "
@@ -115,7 +119,12 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
     try:
         done = tuned.read(path, metadata)
     except tuned.Unusable as exc:
-        raise TqgenError(f"not overwriting {exc}; move it away to re-tune") from None
+        if not force:
+            raise TqgenError(f"not overwriting {exc}; re-tune with --force (which keeps that file as "
+                             f"{path.name}.replaced-TIME) or move it away") from None
+        kept, done = tuned.set_aside_unusable(path, metadata)
+        if kept is not None:
+            progress(f"{exc}: kept as {kept.name}, re-tuning every bucket")
     # Tune at the top of each bucket, once per bucket.
     shapes: dict[str, tuple[int, int, int]] = {}
     for group_size, batch, context in buckets:

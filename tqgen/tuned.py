@@ -156,6 +156,25 @@ def locked(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
+def set_aside_unusable(path: Path, expected: dict[str, Any]) -> tuple[Path | None, dict[str, Any]]:
+    """Under the file's lock, check it again: if it is still unusable, rename it to
+    NAME.json.replaced-TIME beside it (a name no reader looks for) and return (new path, {});
+    if another tuner has replaced it meanwhile, return (None, its buckets). Nothing is deleted."""
+    with locked(path):
+        try:
+            return None, read(path, expected)
+        except Unusable:
+            pass
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        kept = path.with_name(f"{path.name}.replaced-{stamp}")
+        number = 1
+        while kept.exists():
+            number += 1
+            kept = path.with_name(f"{path.name}.replaced-{stamp}-{number}")
+        os.replace(path, kept)
+    return kept, {}
+
+
 def save_bucket(path: Path, metadata: dict[str, Any], key: str, entry: dict[str, Any]) -> None:
     """Merge one bucket into the file under the lock and replace the file atomically.
 
