@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import PRESETS, check_decode, codebook_kwargs, make_config, stored_cache
-from tqgen import config as config_mod, emit, reference, render, tune
+from tqgen import config as config_mod, reference, render, tune
 from tqgen.errors import ConfigError
 from tqgen.layout import SPLIT_HIGH_ORDER, SPLIT_LOW_ORDER, Layout, row_alignment
 from tqgen.testing import paged_batch, relative_error
@@ -253,7 +253,8 @@ def test_decode_reads_a_query_of_any_float_dtype_and_strides(device, build_modul
 @pytest.mark.parametrize("rotation,batch,dtype", [("default", "small", torch.float32), ("default", "small", torch.bfloat16),
                                                  ("default", "large", torch.float32), ("copy", "small", torch.float32),
                                                  ("random", "small", torch.float32)])
-def test_decode_rotates_the_query_in_stage1_or_in_its_own_kernel(device, build_module, rotation, batch, dtype):
+def test_decode_rotates_the_query_in_stage1_or_in_its_own_kernel(device, build_module, rotation, batch, dtype,
+                                                                 monkeypatch):
     """Up to _ROTATE_QUERY_MAX_BATCH sequences the default rotation (the very tensor
     default_rotation returns) is applied by stage 1's Walsh-Hadamard transform; a larger batch or
     any other tensor, even an equal copy, takes tq_prepare_query. Each matches the reference, and
@@ -268,12 +269,9 @@ def test_decode_rotates_the_query_in_stage1_or_in_its_own_kernel(device, build_m
     elif rotation == "random":
         kwargs["rotation"] = torch.linalg.qr(torch.randn(128, 128, generator=torch.Generator().manual_seed(7)))[0].to(device)
     launches = []
-    counting = _CountingKernel(module.tq_prepare_query, launches)
-    module.tq_prepare_query = counting  # the launcher looks the kernel up in the module's globals
-    try:
-        out = check_decode(module, config, device, seq_lens, dtype=dtype, codebook=kwargs, strided_query=True)
-    finally:
-        module.tq_prepare_query = counting.kernel
+    # The launcher looks the kernel up in the module's globals.
+    monkeypatch.setattr(module, "tq_prepare_query", _CountingKernel(module.tq_prepare_query, launches))
+    out = check_decode(module, config, device, seq_lens, dtype=dtype, codebook=kwargs, strided_query=True)
     assert len(launches) == (0 if rotation == "default" and batch == "small" else 1)
     if rotation == "copy":
         kwargs["rotation"] = module.default_rotation(device)
