@@ -100,7 +100,10 @@ def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_hea
         keys = torch.randn(*cache.shape[:3], config.head_dim, device=device)
         cache[..., : config.head_dim] = keys.to(torch.float8_e4m3fn).view(torch.uint8)
     layout = Layout.from_config(config)
-    return slots_to_pages(layout, cache) if layout.planes else cache
+    if not layout.planes:
+        return cache
+    # The reference conversion unpacks codes to int64 bits: a block at a time keeps a large cache in memory.
+    return torch.cat([slots_to_pages(layout, blocks) for blocks in cache.split(1024)])
 
 
 def random_problem(module: ModuleType, config: Config, batch: int, context: int, num_q_heads: int,
