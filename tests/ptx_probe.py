@@ -4,14 +4,18 @@
                                [--variants base nocorr ...]
     python3 tests/ptx_probe.py CONFIG --store 16:4 [4:2 ...]
     python3 tests/ptx_probe.py CONFIG --block-kv 64 --sass [--variants base nocorr ...]
+    python3 tests/ptx_probe.py CONFIG --mma [--block-kv 64] [--group-size 4] [--sass]
 
---sass assembles the PTX with the ptxas bundled with triton (sm90a) and prints the
+--sass disassembles the cubin triton built (sm90a) with the cuobjdump bundled with it and prints the
 SASS opcode mix of stage 1's main loop (the longest backward branch): what one tile
 costs each thread, counted the way the GPU executes it.
 
 --store compiles the store kernel instead, at block_t:num_warps (keys rotated in the
 kernel where the config's rotation allows it): registers, PTX instructions, comparisons
 (setp), shared-memory stores and the mix of global stores.
+
+--mma compiles the Gluon stage 1 on mma.sync (planes MSE configs with 4-bit values) instead of
+the tl.dot kernel: registers, MMAs and shared-memory traffic (none, by design).
 
 --variants compiles the variants of tests/ablate_stage1.py side by side: registers,
 spills and shared-memory traffic show what each part of the kernel costs before any
@@ -44,7 +48,7 @@ POINTER_TYPES = {"query_ptr": "*fp16", "cache_ptr": "*u8", "block_table_ptr": "*
 
 
 def _compile_sm90(kernel, constants: dict, pointer_types: dict, aligned_strides: tuple[str, ...], warps: int,
-                  stages: int):
+                  stages: int, source_type=ASTSource):
     """Compile for sm90 with a real launch's specializations: pointers 16-byte aligned, the named
     strides multiples of 16, every other argument a 32-bit int (score_scale a float)."""
     signature, attributes = {}, {}
@@ -58,7 +62,7 @@ def _compile_sm90(kernel, constants: dict, pointer_types: dict, aligned_strides:
             signature[name] = "fp32" if name == "score_scale" else "i32"
             if name.startswith(aligned_strides):
                 attributes[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(kernel, signature, constants, attributes)
+    source = source_type(kernel, signature, constants, attributes)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
@@ -74,6 +78,18 @@ def compile_stage1(module, block_kv: int, warps: int, stages: int, rotate_query:
     elif rotate_query:
         raise SystemExit("--rotate-query: this config's stage 1 does not rotate the query")
     return _compile_sm90(kernel, constants, POINTER_TYPES, ("stride_",), warps, stages)
+
+
+def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_launch: bool = False):
+    """The Gluon stage 1 (tq_decode_stage1_mma) with the launch decode gives it: one warp."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    key_tile, value_tile = module._mma_tile_layouts(block_kv)
+    positions = min(block_kv, module.PAGE_SIZE)
+    constants = {"GROUP_SIZE": group_size, "BLOCK_H": max(8, triton.next_power_of_2(group_size)), "BLOCK_KV": block_kv,
+                 "TILE_PAGES": block_kv // positions, "TILE_POSITIONS": positions, "KEY_TILE": key_tile,
+                 "VALUE_TILE": value_tile, "DEPENDENT_LAUNCH": dependent_launch}
+    return _compile_sm90(module.tq_decode_stage1_mma, constants, POINTER_TYPES, ("stride_",), 1, 1, GluonASTSource)
 
 
 def compile_store(module, block_t: int, warps: int):
@@ -118,14 +134,13 @@ def _bundled_tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def sass_loop_mix(ptx: str) -> str:
-    """The opcode mix of the kernel's longest loop, from the SASS of ptxas (sm90a) and cuobjdump."""
+def sass_loop_mix(cubin: bytes) -> str:
+    """The opcode mix of the kernel's longest loop, from cuobjdump's SASS of the cubin triton built (sm90a)."""
     with tempfile.TemporaryDirectory() as folder:
-        source, cubin = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.cubin")
-        with open(source, "w") as handle:
-            handle.write(ptx)
-        subprocess.run([_bundled_tool("ptxas"), "-arch=sm_90a", source, "-o", cubin], check=True, capture_output=True)
-        sass = subprocess.run([_bundled_tool("cuobjdump"), "-sass", cubin], check=True, capture_output=True,
+        path = os.path.join(folder, "k.cubin")
+        with open(path, "wb") as handle:
+            handle.write(cubin)
+        sass = subprocess.run([_bundled_tool("cuobjdump"), "-sass", path], check=True, capture_output=True,
                               text=True).stdout
     instructions = []  # (address, opcode, line)
     for line in sass.splitlines():
@@ -158,12 +173,13 @@ def compare_variants(config, names, block_kv, warps, stages, sass=False) -> None
     for name in names:
         text = ablate_stage1.variant(source, name)
         module = ablate_stage1.import_source(text, name, folder)
-        ptx = compile_stage1(module, block_kv, warps, stages).asm["ptx"]
+        compiled = compile_stage1(module, block_kv, warps, stages)
+        ptx = compiled.asm["ptx"]
         print(f"| {name} | {ptxas_usage(ptx)} | {ptx.count('st.shared')} | "
               f"{ptx.count('ld.shared') + ptx.count('ldmatrix')} | {ptx.count('bar.sync')} | "
               f"{ptx.count('mma.sync')} | {ptx.count('prmt')} |", flush=True)
         if sass:
-            print(f"|   | {sass_loop_mix(ptx)} | | | | | |", flush=True)
+            print(f"|   | {sass_loop_mix(compiled.asm['cubin'])} | | | | | |", flush=True)
 
 
 def main() -> None:
@@ -176,6 +192,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", help="compare variants (see the docstring)")
     parser.add_argument("--store", nargs="+", metavar="BLOCK_T:WARPS", help="compile the store kernel instead")
     parser.add_argument("--sass", action="store_true", help="also print the SASS opcode mix of stage 1's loop")
+    parser.add_argument("--mma", action="store_true", help="compile the Gluon stage 1 on mma.sync instead")
+    parser.add_argument("--group-size", type=int, default=4, help="query heads per KV head (--mma)")
     parser.add_argument("--rotate-query", action="store_true",
                         help="compile stage 1 as it rotates the query itself (planes MSE, small batches)")
     args = parser.parse_args()
@@ -187,17 +205,25 @@ def main() -> None:
         compare_variants(config, args.variants, args.block_kv, args.warps, args.stages, args.sass)
         return
     module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-ptx-"))
-    ptx = compile_stage1(module, args.block_kv, args.warps, args.stages, args.rotate_query).asm["ptx"]
+    if args.mma:
+        if not hasattr(module, "tq_decode_stage1_mma"):
+            raise SystemExit(f"--mma: {args.config} has no Gluon stage 1 (planes MSE keys, 4-bit values only)")
+        compiled = compile_stage1_mma(module, args.block_kv, args.group_size)
+    else:
+        compiled = compile_stage1(module, args.block_kv, args.warps, args.stages, args.rotate_query)
+    ptx = compiled.asm["ptx"]
     if args.ptx:
         with open(args.ptx, "w") as handle:
             handle.write(ptx)
     loads = collections.Counter(re.findall(r"ld\.global(?:\.\w+)*", ptx))
-    print(f"{args.config} kv{args.block_kv} w{args.warps} st{args.stages}: {ptxas_usage(ptx)}")
+    kind = f"mma, group {args.group_size}" if args.mma else f"w{args.warps} st{args.stages}"
+    print(f"{args.config} kv{args.block_kv} {kind}: {ptxas_usage(ptx)}; mma.sync x{ptx.count('mma.sync')}, "
+          f"shfl x{ptx.count('shfl.sync')}")
     print("  global loads: " + ", ".join(f"{kind} x{count}" for kind, count in loads.most_common()))
     print(f"  cp.async x{len(re.findall(r'cp[.]async[.]c[ag]', ptx))}, "
           f"ld.shared x{len(re.findall(r'ld[.]shared', ptx))}, st.shared x{len(re.findall(r'st[.]shared', ptx))}")
     if args.sass:
-        print("  " + sass_loop_mix(ptx))
+        print("  " + sass_loop_mix(compiled.asm["cubin"]))
 
 
 if __name__ == "__main__":

@@ -308,8 +308,8 @@ def test_heuristic_is_close_to_the_measured_best_on_the_h200(setup, tmp_path):
     assert _geomean(ratios) < 1.03 and max(ratios) < 1.15
 
 
-# k4v4 at 1 x 4096: 32- and 64-token tiles differ by 0.4-0.8 us (2.4-3.3% in two tuning runs), run-to-run
-# noise at that size.
+# k4v4 (the Gluon kernel from batch 2, 2026-12-01): the heuristic's 64 splits at 128 x 65536 cost 3.1%
+# against the 32 the tuner picked; elsewhere within 1.3%.
 @pytest.mark.parametrize("preset,geomean,worst", [("k8v4", 1.02, 1.03), ("k4v4", 1.02, 1.04), ("k3v4", 1.02, 1.03),
                                                   ("k3v3", 1.02, 1.03)])
 def test_planes_heuristic_is_close_to_the_measured_best_on_the_h200(tmp_path, preset, geomean, worst):

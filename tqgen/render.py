@@ -132,6 +132,14 @@ def nibble_selector(layout: Layout, bits: int, word: str, first_code: int) -> st
     return terms[0][1:-1] if len(terms) == 1 else " | ".join(terms)
 
 
+def mma_stage1(layout: Layout) -> bool:
+    """Whether decode stage 1 of this layout has the Gluon kernel on mma.sync (decode_stage1_mma.py.jinja):
+    page-planar MSE keys with 4-bit values, and a head_dim its tiles divide (a power of two from 64:
+    each lane decodes whole group words, a quarter of a key and an eighth of a value)."""
+    return (layout.planes and not layout.key_fp8 and layout.value_bits == 4
+            and layout.head_dim in (64, 128, 256))
+
+
 def context(config: Config, tuned: dict | None = None) -> dict:
     """Everything the templates may read, computed from the (arch-resolved) config."""
     if config.arch == "auto":
@@ -183,6 +191,10 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         # re-timed. MSE keys always take the code-plane path that this branch of stage 1 feeds.
         "stage1_rotates_query": (not layout.key_fp8 and config.rotation == "hadamard" and layout.planes
                                  and config.head_dim == 128),
+        # Planes MSE keys with 4-bit values at a power-of-two head_dim from 64: decode stage 1 also
+        # gets the tensor-core kernel of decode_stage1_mma.py.jinja (Gluon), used on GPUs that can.
+        "mma_stage1": mma_stage1(layout),
+        "mma_centroid_scale": float(2 ** ((config.head_dim.bit_length() - 1) // 2)),  # about sqrt(head_dim)
         "fp8_hardware": fp8_hardware,
         "min_capability": min_capability,
         "norm_correction": config.norm_correction,
@@ -214,7 +226,7 @@ def _tidy(source: str) -> str:
 # What decode's tuned launches depend on: the decode kernels, the helpers they call and the
 # launcher that the tuner times (query preparation, grids, stage 2's launch).
 DECODE_KERNEL_TEMPLATES = ("common.py.jinja", "decode_prepare.py.jinja", "decode_stage1.py.jinja",
-                           "decode_stage2.py.jinja", "decode_launcher.py.jinja")
+                           "decode_stage1_mma.py.jinja", "decode_stage2.py.jinja", "decode_launcher.py.jinja")
 
 
 def decode_kernel_hash(config: Config) -> str:
@@ -231,7 +243,9 @@ def decode_kernel_hash(config: Config) -> str:
     values = context(config)
     digest = hashlib.sha256()
     for name in DECODE_KERNEL_TEMPLATES:
-        digest.update(name.encode() + b"\0" + environment.get_template(name).render(**values).encode() + b"\0")
+        rendered = environment.get_template(name).render(**values)
+        if rendered.strip():  # a template that renders nothing for this config leaves its hash as it was
+            digest.update(name.encode() + b"\0" + rendered.encode() + b"\0")
     return digest.hexdigest()
 
 

@@ -1,0 +1,331 @@
+"""Decode stage 1 on mma.sync (the Gluon kernel, templates/decode_stage1_mma.py.jinja).
+
+Triton's interpreter cannot run Gluon, so on the CPU these tests check what can be checked
+without a GPU: which configs get the kernel, that every launch the tuner can pick compiles
+for sm90 with the MMAs it should have and no shared memory, that the tile layouts give each
+lane the words the kernel's index algebra assumes, and that decode dispatches to it where it
+should. On the GPU (`pytest -m gpu`) the kernel runs against the float64 reference.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, check_decode, codebook_kwargs, make_config
+from tqgen import reference, render, tune
+from tqgen.layout import Layout
+from tqgen.testing import relative_error
+from tqgen.verify import DECODE_TOLERANCE
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def gpu_test(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")(test))
+
+
+def mma_config(preset="k3v4", head_dim=128, **overrides):
+    return make_config(preset, head_dim=head_dim, cache_layout="planes", **overrides)
+
+
+class _Recorder:
+    """Stands in for a kernel in a module's globals: records each launch, and runs it if `kernel` is given."""
+
+    def __init__(self, kernel=None):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+            if self.kernel is not None:
+                self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+# --- which configs --------------------------------------------------------------
+@pytest.mark.parametrize("fields,expected", [
+    (dict(preset="k3v4"), True), (dict(preset="k4v4"), True), (dict(preset="k3v4", head_dim=64), True),
+    (dict(preset="k4v4", head_dim=256), True), (dict(preset="k3v4", norm_correction=False), True),
+    (dict(preset="k3v4", block_size=8), True),
+    (dict(preset="k3v3"), False),  # 3-bit values: the tl.dot kernel
+    (dict(preset="k8v4"), False),  # fp8 keys
+    (dict(preset="k3v4", head_dim=96, rotation="random"), False),  # not a power of two
+    (dict(preset="k3v4", cache_layout="slots"), False),
+])
+def test_the_kernel_is_rendered_for_planes_mse_keys_with_4bit_values(fields, expected):
+    fields = dict(fields)
+    config = make_config(fields.pop("preset"), **{"cache_layout": "planes", **fields})
+    source = render.render(config)
+    assert render.mma_stage1(Layout.from_config(config)) == expected
+    assert ("def tq_decode_stage1_mma(" in source) == expected
+    assert "def tq_decode_stage1(" in source  # the tl.dot kernel stays, for everything else
+
+
+# --- the tile layouts -----------------------------------------------------------
+def _coordinates(layout, register, lane):
+    """The tensor coordinate a linear layout gives register `register` of lane `lane` (XOR of bases)."""
+    coordinate = [0] * len(layout.shape)
+    for bases, index in ((layout.reg_bases, register), (layout.lane_bases, lane)):
+        for bit, basis in enumerate(bases):
+            if index >> bit & 1:
+                coordinate = [c ^ b for c, b in zip(coordinate, basis)]
+    return coordinate
+
+
+@pytest.mark.parametrize("head_dim,page,block_kv", [(128, 16, 64), (128, 16, 32), (64, 8, 32), (256, 64, 32),
+                                                    (128, 32, 64), (128, 128, 64)])
+def test_tile_layouts_give_each_lane_the_words_the_kernel_assumes(build_module, head_dim, page, block_kv):
+    """Key words: lane l holds tokens l // 4 + 8 r (the MMA rows) and words W/4 (l % 4) + i; value
+    words: tokens 2 (l % 4) + e + 8 r (the MMA K columns) and words W/8 (l // 4) + j. Every element
+    is held by exactly one (lane, register), and a token t sits at page t // positions."""
+    config = mma_config(head_dim=head_dim, block_size=page)
+    module = build_module(config)
+    keys, values = module._mma_tile_layouts(block_kv)
+    words = head_dim // 8
+    positions = min(block_kv, page)
+    assert keys.shape == values.shape == [block_kv // positions, positions, words]
+    for layout, words_per_lane in ((keys, words // 4), (values, words // 8)):
+        registers = 1 << len(layout.reg_bases)
+        assert registers * 32 == block_kv * words  # no element held twice
+        # A lane's words of one token come first in its registers, contiguous: one wide load.
+        assert layout.reg_bases[:words_per_lane.bit_length() - 1] == [[0, 0, 1 << b] for b in range(words_per_lane.bit_length() - 1)]
+        seen = set()
+        for lane in range(32):
+            for register in range(registers):
+                page_index, position, word = _coordinates(layout, register, lane)
+                token = page_index * positions + position
+                seen.add((token, word))
+                if layout is keys:  # MMA rows: token l // 4 + 8 r; words W/4 (l % 4) + i
+                    assert token % 8 == lane // 4 and word // words_per_lane == lane % 4
+                else:  # MMA K columns: token 2 (l % 4) + e + 8 r; words W/8 (l // 4) + j
+                    assert token % 8 // 2 == lane % 4 and word // words_per_lane == lane // 4
+        assert len(seen) == block_kv * words
+
+
+# --- compiles, and moves nothing through shared memory ----------------------------
+COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correction)
+    *[("k3v4", 128, 16, kv, 4, True) for kv in sorted(set(tune.SearchSpace().block_kv) | {32, 64})],
+    ("k4v4", 128, 16, 64, 4, True), ("k3v4", 128, 16, 64, 8, True), ("k3v4", 128, 16, 32, 16, True),
+    ("k3v4", 128, 16, 32, 1, True), ("k3v4", 64, 8, 32, 4, True), ("k4v4", 256, 16, 32, 4, True),
+    ("k3v4", 128, 64, 32, 4, False),
+]
+
+
+# Under TRITON_INTERPRET=1 the @triton.jit helpers the Gluon kernel calls are interpreter objects that
+# triton's compiler refuses, so the kernels are compiled in a process of their own, without it.
+_COMPILE_SCRIPT = """
+import json, os, sys, tempfile
+sys.path[:0] = [os.path.join(os.getcwd(), "tests"), os.getcwd()]
+import ptx_probe, tqgen
+from tqgen import config as config_mod
+PRESETS = {"k3v4": dict(key_format="mse", key_bits=3), "k4v4": dict(key_format="mse", key_bits=4)}
+folder = tempfile.mkdtemp(prefix="tqgen-mma-")
+for preset, head_dim, page, block_kv, group_size, norm_correction in json.loads(sys.argv[1]):
+    fields = dict(PRESETS[preset], value_bits=4, head_dim=head_dim, block_size=page, cache_layout="planes",
+                  norm_correction=norm_correction, arch="sm90")
+    module = tqgen.load(config_mod.from_mapping(fields), folder)
+    compiled = ptx_probe.compile_stage1_mma(module, block_kv, group_size, dependent_launch=group_size == 1)
+    ptx = compiled.asm["ptx"]
+    print(json.dumps(dict(mma=ptx.count("mma.sync.aligned.m16n8k16"), shared_ops=ptx.count(".shared"),
+                          shared_bytes=compiled.metadata.shared, wait="griddepcontrol.wait" in ptx)))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled_cases():
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what triton 3.9 assumes, without its warning
+    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(COMPILE_CASES)], cwd=REPO,
+                            env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == len(COMPILE_CASES)
+    return dict(zip(COMPILE_CASES, reports))
+
+
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda case: "-".join(map(str, case)))
+def test_every_launch_compiles_for_sm90_without_shared_memory(compiled_cases, case):
+    """The launches decode gives the kernel compile (triton's compiler rejects what its interpreter
+    accepts), with one m16n8k16 MMA per 16 x 8 x 16 block of each product and no shared memory."""
+    preset, head_dim, page, block_kv, group_size, norm_correction = case
+    report = compiled_cases[case]
+    columns = max(8, 1 << (group_size - 1).bit_length()) // 8
+    key_mmas = (block_kv // 16) * (head_dim // 16) * columns
+    value_mmas = (head_dim // 16) * (block_kv // 16) * columns
+    assert report["mma"] == key_mmas * (2 if norm_correction else 1) + value_mmas
+    assert report["shared_ops"] == 0 and report["shared_bytes"] == 0
+    assert report["wait"] == (group_size == 1)  # the batch-1 launch waits on tq_prepare_query
+
+
+# --- dispatch ---------------------------------------------------------------------
+@pytest.mark.parametrize("case,expect_mma", [
+    ("batch_above_limit", True), ("batch_at_limit", False), ("random_rotation_at_limit", True),
+    ("two_warps", False), ("group_32", False), ("switched_off", False),
+])
+def test_decode_takes_the_mma_kernel_where_it_can(build_module, monkeypatch, case, expect_mma):
+    """Where the GPU can run it, decode takes the Gluon kernel: from _ROTATE_QUERY_MAX_BATCH + 1
+    sequences with the default rotation (at most that many, the tl.dot kernel rotates the query
+    itself) and at any batch with another rotation; never with more than one warp, more than 16
+    query heads per KV head, or MMA_STAGE1 off. The launch gets the tile layouts of its BLOCK_KV."""
+    config = mma_config()
+    module = build_module(config)
+    device = "cuda" if HAS_CUDA else "cpu"
+    limit = module._ROTATE_QUERY_MAX_BATCH
+    seq_lens = [40] * (limit + 1 if case == "batch_above_limit" else limit)
+    group_size = 32 if case == "group_32" else 4
+    kwargs = codebook_kwargs(module, config, device)
+    if case == "random_rotation_at_limit":
+        kwargs["rotation"] = torch.linalg.qr(torch.randn(128, 128, generator=torch.Generator().manual_seed(3)))[0].to(device)
+    monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)  # a GPU that can, on any machine
+    monkeypatch.setattr(module, "MMA_STAGE1", case != "switched_off")
+    mma, dot = _Recorder(), _Recorder(module.tq_decode_stage1)
+    monkeypatch.setattr(module, "tq_decode_stage1_mma", mma)
+    monkeypatch.setattr(module, "tq_decode_stage1", dot)
+    batch = len(seq_lens)
+    cache = module.make_cache(8 * batch, 2, device)
+    table = torch.arange(4 * batch, dtype=torch.int32, device=device).view(batch, 4)
+    query = torch.randn(batch, 2 * group_size, 128, device=device)
+    module.decode(query, cache, table, torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                  num_warps=2 if case == "two_warps" else 1, block_kv=64, num_splits=2, **kwargs)
+    assert (len(mma.launches), len(dot.launches)) == ((1, 0) if expect_mma else (0, 1))
+    if expect_mma:
+        grid, args, launch = mma.launches[0]
+        assert grid == (batch, 2, 2)
+        assert (launch["KEY_TILE"], launch["VALUE_TILE"]) == module._mma_tile_layouts(64)
+        assert (launch["BLOCK_KV"], launch["BLOCK_H"], launch["TILE_PAGES"], launch["TILE_POSITIONS"], launch["num_warps"]) \
+            == (64, 8, 4, 16, 1)
+
+
+# --- on the GPU ----------------------------------------------------------------------
+def _spy(module, monkeypatch):
+    recorder = _Recorder(module.tq_decode_stage1_mma)
+    monkeypatch.setattr(module, "tq_decode_stage1_mma", recorder)
+    return recorder
+
+
+MANY_LENS = [1, 15, 16, 17, 63, 64, 65, 300, 1025, 0]
+
+
+MMA_CASES = [  # (preset, head_dim, page, block_kv, group_size, num_splits)
+    *[(preset, head_dim, page, block_kv, 4, 3)
+      for preset, head_dim, page in [("k3v4", 128, 16), ("k4v4", 128, 16), ("k3v4", 64, 16), ("k4v4", 256, 16),
+                                     ("k3v4", 128, 8), ("k3v4", 128, 64)]
+      for block_kv in sorted(set(tune.SearchSpace().block_kv))],
+    *[("k3v4", 128, 16, block_kv, group_size, num_splits)
+      for block_kv in sorted(set(tune.SearchSpace().block_kv)) for group_size in (1, 8, 16) for num_splits in (1, 16)],
+]
+
+
+@pytest.mark.parametrize("preset,head_dim,page,block_kv,group_size,num_splits", MMA_CASES)
+@gpu_test
+def test_mma_decode_matches_reference(build_module, monkeypatch, preset, head_dim, page, block_kv, group_size, num_splits):
+    config = mma_config(preset, head_dim, block_size=page)
+    module = build_module(config)
+    spy = _spy(module, monkeypatch)
+    check_decode(module, config, "cuda", MANY_LENS, group_size=group_size, block_kv=block_kv, num_splits=num_splits,
+                 num_warps=1)
+    assert len(spy.launches) == 1
+
+
+@pytest.mark.parametrize("variant", ["no_norm_correction", "asymmetric_codebook", "fp16_query", "bf16_query",
+                                     "strided_query", "two_bit_keys"])
+@gpu_test
+def test_mma_decode_variants(build_module, monkeypatch, variant):
+    if variant == "two_bit_keys":
+        config = make_config("k3v4", cache_layout="planes", key_bits=2)
+    else:
+        config = mma_config(norm_correction=variant != "no_norm_correction")
+    module = build_module(config)
+    spy = _spy(module, monkeypatch)
+    codebook = codebook_kwargs(module, config, "cuda")
+    if variant == "asymmetric_codebook":  # any centroids, not only the symmetric Lloyd-Max ones
+        generator = torch.Generator().manual_seed(5)
+        codebook["centroids"] = (torch.rand(2 ** config.key_bits, generator=generator) * 0.3 - 0.1).to("cuda")
+    dtype = {"fp16_query": torch.float16, "bf16_query": torch.bfloat16}.get(variant, torch.float32)
+    check_decode(module, config, "cuda", [300, 17, 64], codebook=codebook, dtype=dtype,
+                 strided_query=variant == "strided_query", num_warps=1, block_kv=64)
+    assert len(spy.launches) == 1
+
+
+@pytest.mark.parametrize("block_kv,num_stages", sorted({(c["block_kv"], c["num_stages"]) for c in tune.SearchSpace().candidates()}
+                                                  | {(32, 3), (64, 3)}))
+@gpu_test
+def test_mma_and_dot_kernels_agree(build_module, monkeypatch, block_kv, num_stages):
+    """Both stage-1 kernels on the same cache and prepared query: equal up to the fp16 rounding of
+    their operands. MMA_STAGE1 = False (TQGEN_MMA_STAGE1=0) keeps one-warp launches on the tl.dot
+    kernel, whose stages the Gluon kernel ignores."""
+    config = mma_config()
+    module = build_module(config)
+    outputs = []
+    for switch in (True, False):
+        monkeypatch.setattr(module, "MMA_STAGE1", switch)
+        outputs.append(check_decode(module, config, "cuda", [500, 33, 2000], num_warps=1, block_kv=block_kv,
+                                    num_stages=num_stages, num_splits=4))
+    assert relative_error(outputs[0], outputs[1]) < 1e-3
+
+
+@gpu_test
+def test_mma_decode_masks_block_ids_outside_the_cache(build_module, monkeypatch):
+    """With validate=False, pages whose block id is outside the cache are masked (their tokens read
+    block 0, whose fields must not leak, NaN included): attention over the remaining tokens."""
+    config = mma_config()
+    module = build_module(config)
+    codebook = codebook_kwargs(module, config, "cuda")
+    spy = _spy(module, monkeypatch)
+    cache = module.make_cache(6, 2, "cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    key = torch.randn(64, 2, 128, device="cuda", generator=generator)
+    module.store(key, torch.randn(64, 2, 128, device="cuda", generator=generator), cache,
+                 torch.arange(16, 80, device="cuda"), **codebook)  # blocks 1..4
+    cache[0].fill_(0xFF)  # block 0: NaN norms, scales and zeros
+    query = torch.randn(2, 8, 128, device="cuda", generator=generator)
+    lens = torch.tensor([64, 64], dtype=torch.int32, device="cuda")
+    for bad in (6, -1, 2**31 - 1):
+        table = torch.tensor([[1, bad, 3, 4], [bad, bad, bad, 2]], dtype=torch.int32, device="cuda")
+        out = module.decode(query, cache, table, lens, validate=False, num_warps=1, block_kv=64, num_splits=1, **codebook)
+        assert torch.isfinite(out).all()
+        remaining = torch.tensor([[1, 3, 4], [2, 0, 0]], dtype=torch.int32, device="cuda")
+        want = reference.decode(config, query, cache, remaining, torch.tensor([48, 16], dtype=torch.int32, device="cuda"),
+                                codebook["rotation"], codebook["centroids"])
+        assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
+    assert len(spy.launches) == 3
+
+
+@gpu_test
+def test_mma_decode_replays_in_a_cuda_graph(build_module, monkeypatch):
+    config = mma_config()
+    module = build_module(config)
+    codebook = codebook_kwargs(module, config, "cuda")
+    spy = _spy(module, monkeypatch)
+    cache = module.make_cache(64, 2, "cuda")
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    module.store(torch.randn(1024, 2, 128, device="cuda", generator=generator),
+                 torch.randn(1024, 2, 128, device="cuda", generator=generator), cache,
+                 torch.arange(1024, device="cuda"), **codebook)
+    batch = 4
+    table = torch.randperm(64, device="cuda").to(torch.int32).view(batch, 16)
+    lens = torch.tensor([256, 100, 17, 1], dtype=torch.int32, device="cuda")
+    query = torch.randn(batch, 8, 128, device="cuda", generator=generator)
+    out = torch.empty_like(query)
+    workspace = module.DecodeWorkspace(batch, 8, 8, "cuda")
+
+    def call():
+        module.decode(query, cache, table, lens, out=out, workspace=workspace, validate=False, num_warps=1,
+                      block_kv=32, num_splits=8, **codebook)
+
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    table.copy_(torch.randperm(64, device="cuda").to(torch.int32).view(batch, 16))
+    lens.copy_(torch.tensor([1, 255, 64, 33], dtype=torch.int32, device="cuda"))
+    query.normal_(generator=generator)
+    graph.replay()
+    want = reference.decode(config, query, cache, table, lens, codebook["rotation"], codebook["centroids"])
+    assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
+    assert len(spy.launches) >= 2
