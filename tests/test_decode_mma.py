@@ -208,6 +208,18 @@ def _spy(module, monkeypatch):
     return recorder
 
 
+def _stored_cache(module, config, num_blocks, first_slot, tokens, seed):
+    """A cache of num_blocks pages for 2 KV heads with `tokens` random tokens stored from slot
+    first_slot on: (cache, the module's codebook arguments, the generator, to draw more from)."""
+    codebook = codebook_kwargs(module, config, "cuda")
+    cache = module.make_cache(num_blocks, 2, "cuda")
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    key = torch.randn(tokens, 2, config.head_dim, device="cuda", generator=generator)
+    value = torch.randn(tokens, 2, config.head_dim, device="cuda", generator=generator)
+    module.store(key, value, cache, torch.arange(first_slot, first_slot + tokens, device="cuda"), **codebook)
+    return cache, codebook, generator
+
+
 MANY_LENS = [1, 15, 16, 17, 63, 64, 65, 300, 1025, 0]
 
 
@@ -275,13 +287,8 @@ def test_mma_decode_masks_block_ids_outside_the_cache(build_module, monkeypatch)
     block 0, whose fields must not leak, NaN included): attention over the remaining tokens."""
     config = mma_config()
     module = build_module(config)
-    codebook = codebook_kwargs(module, config, "cuda")
     spy = _spy(module, monkeypatch)
-    cache = module.make_cache(6, 2, "cuda")
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    key = torch.randn(64, 2, 128, device="cuda", generator=generator)
-    module.store(key, torch.randn(64, 2, 128, device="cuda", generator=generator), cache,
-                 torch.arange(16, 80, device="cuda"), **codebook)  # blocks 1..4
+    cache, codebook, generator = _stored_cache(module, config, num_blocks=6, first_slot=16, tokens=64, seed=0)  # blocks 1..4
     cache[0].fill_(0xFF)  # block 0: NaN norms, scales and zeros
     query = torch.randn(2, 8, 128, device="cuda", generator=generator)
     lens = torch.tensor([64, 64], dtype=torch.int32, device="cuda")
@@ -300,13 +307,8 @@ def test_mma_decode_masks_block_ids_outside_the_cache(build_module, monkeypatch)
 def test_mma_decode_replays_in_a_cuda_graph(build_module, monkeypatch):
     config = mma_config()
     module = build_module(config)
-    codebook = codebook_kwargs(module, config, "cuda")
     spy = _spy(module, monkeypatch)
-    cache = module.make_cache(64, 2, "cuda")
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    module.store(torch.randn(1024, 2, 128, device="cuda", generator=generator),
-                 torch.randn(1024, 2, 128, device="cuda", generator=generator), cache,
-                 torch.arange(1024, device="cuda"), **codebook)
+    cache, codebook, generator = _stored_cache(module, config, num_blocks=64, first_slot=0, tokens=1024, seed=1)
     batch = 4
     table = torch.randperm(64, device="cuda").to(torch.int32).view(batch, 16)
     lens = torch.tensor([256, 100, 17, 1], dtype=torch.int32, device="cuda")
