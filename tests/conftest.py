@@ -99,3 +99,19 @@ def check_decode(module, config, device, seq_lens, num_kv_heads=2, group_size=4,
     error = relative_error(out, want)
     assert error < DECODE_TOLERANCE[dtype], f"relative error {error:.2e}"
     return out
+
+
+class KernelRecorder:
+    """Stands in for a kernel in a module's globals (the launchers look kernels up there, so
+    monkeypatch.setattr(module, name, recorder) catches every launch): records each launch's
+    (grid, args, kwargs) in `launches`, and runs it when `kernel` is given."""
+
+    def __init__(self, kernel=None):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+            if self.kernel is not None:
+                self.kernel[grid](*args, **kwargs)
+        return launch

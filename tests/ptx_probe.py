@@ -216,8 +216,8 @@ def main() -> None:
         with open(args.ptx, "w") as handle:
             handle.write(ptx)
     loads = collections.Counter(re.findall(r"ld\.global(?:\.\w+)*", ptx))
-    kind = f"mma, group {args.group_size}" if args.mma else f"w{args.warps} st{args.stages}"
-    print(f"{args.config} kv{args.block_kv} {kind}: {ptxas_usage(ptx)}; mma.sync x{ptx.count('mma.sync')}, "
+    launch = f"mma, group {args.group_size}" if args.mma else f"w{args.warps} st{args.stages}"
+    print(f"{args.config} kv{args.block_kv} {launch}: {ptxas_usage(ptx)}; mma.sync x{ptx.count('mma.sync')}, "
           f"shfl x{ptx.count('shfl.sync')}")
     print("  global loads: " + ", ".join(f"{kind} x{count}" for kind, count in loads.most_common()))
     print(f"  cp.async x{len(re.findall(r'cp[.]async[.]c[ag]', ptx))}, "

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HAS_CUDA, check_decode, codebook_kwargs, make_config
+from conftest import HAS_CUDA, KernelRecorder, check_decode, codebook_kwargs, make_config
 from tqgen import reference, render, tune
 from tqgen.layout import Layout
 from tqgen.testing import relative_error
@@ -31,20 +31,6 @@ def gpu_test(test):
 
 def mma_config(preset="k3v4", head_dim=128, **overrides):
     return make_config(preset, head_dim=head_dim, cache_layout="planes", **overrides)
-
-
-class _Recorder:
-    """Stands in for a kernel in a module's globals: records each launch, and runs it if `kernel` is given."""
-
-    def __init__(self, kernel=None):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((grid, args, kwargs))
-            if self.kernel is not None:
-                self.kernel[grid](*args, **kwargs)
-        return launch
 
 
 # --- which configs --------------------------------------------------------------
@@ -183,7 +169,7 @@ def test_decode_takes_the_mma_kernel_where_it_can(build_module, monkeypatch, cas
         kwargs["rotation"] = torch.linalg.qr(torch.randn(128, 128, generator=torch.Generator().manual_seed(3)))[0].to(device)
     monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)  # a GPU that can, on any machine
     monkeypatch.setattr(module, "MMA_STAGE1", case != "switched_off")
-    mma, dot = _Recorder(), _Recorder(module.tq_decode_stage1)
+    mma, dot = KernelRecorder(), KernelRecorder(module.tq_decode_stage1)
     monkeypatch.setattr(module, "tq_decode_stage1_mma", mma)
     monkeypatch.setattr(module, "tq_decode_stage1", dot)
     batch = len(seq_lens)
@@ -203,7 +189,7 @@ def test_decode_takes_the_mma_kernel_where_it_can(build_module, monkeypatch, cas
 
 # --- on the GPU ----------------------------------------------------------------------
 def _spy(module, monkeypatch):
-    recorder = _Recorder(module.tq_decode_stage1_mma)
+    recorder = KernelRecorder(module.tq_decode_stage1_mma)
     monkeypatch.setattr(module, "tq_decode_stage1_mma", recorder)
     return recorder
 

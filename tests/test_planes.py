@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from conftest import PRESETS, check_decode, codebook_kwargs, make_config, stored_cache
+from conftest import PRESETS, KernelRecorder, check_decode, codebook_kwargs, make_config, stored_cache
 from tqgen import config as config_mod, reference, render, tune
 from tqgen.errors import ConfigError
 from tqgen.layout import SPLIT_HIGH_ORDER, SPLIT_LOW_ORDER, Layout, row_alignment
@@ -269,26 +269,14 @@ def test_decode_rotates_the_query_in_stage1_or_in_its_own_kernel(device, build_m
         kwargs["rotation"] = kwargs["rotation"].clone()
     elif rotation == "random":
         kwargs["rotation"] = torch.linalg.qr(torch.randn(128, 128, generator=torch.Generator().manual_seed(7)))[0].to(device)
-    launches = []
-    # The launcher looks the kernel up in the module's globals.
-    monkeypatch.setattr(module, "tq_prepare_query", _CountingKernel(module.tq_prepare_query, launches))
+    prepare = KernelRecorder(module.tq_prepare_query)
+    monkeypatch.setattr(module, "tq_prepare_query", prepare)
     out = check_decode(module, config, device, seq_lens, dtype=dtype, codebook=kwargs, strided_query=True)
-    assert len(launches) == (0 if rotation == "default" and batch == "small" else 1)
+    assert len(prepare.launches) == (0 if rotation == "default" and batch == "small" else 1)
     if rotation == "copy":
         kwargs["rotation"] = module.default_rotation(device)
         in_stage1 = check_decode(module, config, device, seq_lens, codebook=kwargs, strided_query=True)
         assert relative_error(in_stage1, out) < 5e-4
-
-
-class _CountingKernel:
-    """Stands in for a kernel in a module's globals and records each launch."""
-
-    def __init__(self, kernel, launches):
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):
-        self.launches.append(grid)
-        return self.kernel[grid]
 
 
 @pytest.mark.parametrize("layout", ["slots", "planes"])

@@ -59,7 +59,8 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
     codebook = codebook_kwargs(module, device)
     # The check reads a copy of the blocks its sequences use (the reference converts the whole cache
     # it is given: a planes cache at 32 x 65536 would take tens of GB).
-    check_blocks = problem["block_table"][:CHECK_BATCH, :-(-CHECK_CONTEXT // config.block_size)]
+    check_pages = (CHECK_CONTEXT + config.block_size - 1) // config.block_size
+    check_blocks = problem["block_table"][:CHECK_BATCH, :check_pages]
     check = {"query": problem["query"][:CHECK_BATCH], "cache": problem["cache"][check_blocks.flatten().long()],
              "block_table": torch.arange(check_blocks.numel(), dtype=torch.int32, device=device).view(check_blocks.shape),
              "seq_lens": problem["seq_lens"][:CHECK_BATCH].clamp(max=CHECK_CONTEXT)}
