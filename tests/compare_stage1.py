@@ -1,4 +1,4 @@
-"""The two decode stage-1 kernels of a planes MSE config, timed side by side on the GPU.
+"""The decode stage-1 kernels of a planes config with the Gluon kernel, timed side by side on the GPU.
 
     python3 tests/compare_stage1.py CONFIG... [--shapes 1x4096 2x4096 8x8192 ...]
                                     [--block-kv 32 64] [--splits 8 16 32 64] [--stages 1 3]
@@ -7,6 +7,7 @@ For each shape, the whole decode call (CUDA-graph replay) with
 - mma: the Gluon kernel on mma.sync, after tq_prepare_query (3 kernels);
 - dot-rotating: the tl.dot kernel rotating the query itself (2 kernels; default rotation only);
 - dot: the tl.dot kernel after tq_prepare_query (3 kernels),
+(fp8 keys need no query preparation: mma and dot, 2 kernels each)
 each at its best launch over the given tiles, splits and (tl.dot only) stages, one warp. The
 module's switches pick the path: MMA_STAGE1, and _ROTATE_QUERY_MAX_BATCH (0: never rotate in
 stage 1; 8: up to 8 sequences). The last column says which path wins: what decode's dispatch
@@ -44,8 +45,9 @@ def main() -> None:
         config = config_mod.resolve_arch(config_mod.load(path))
         module = tqgen.load(config)
         if not hasattr(module, "tq_decode_stage1_mma"):
-            raise SystemExit(f"{path} has no Gluon stage 1 (planes MSE keys with 4-bit values)")
-        saved = module.MMA_STAGE1, module._ROTATE_QUERY_MAX_BATCH
+            raise SystemExit(f"{path} has no Gluon stage 1 (render.mma_stage1)")
+        rotates = hasattr(module, "_ROTATE_QUERY_MAX_BATCH")  # MSE keys at head_dim 128, default rotation
+        saved = module.MMA_STAGE1, getattr(module, "_ROTATE_QUERY_MAX_BATCH", 0)
         for shape in args.shapes:
             batch, context = map(int, shape.split("x"))
             problem = bench.random_problem(module, config, batch, context, 32, 8, "cuda")
@@ -54,9 +56,11 @@ def main() -> None:
             workspace = module.DecodeWorkspace(batch, 32, max(args.splits), "cuda")
             best = {}
             for name, (mma, rotate_batch) in PATHS.items():
-                if name == "dot-rotating" and batch > rotate_batch:
+                if name == "dot-rotating" and (batch > rotate_batch or not rotates):
                     continue
-                module.MMA_STAGE1, module._ROTATE_QUERY_MAX_BATCH = mma, rotate_batch
+                module.MMA_STAGE1 = mma
+                if rotates:
+                    module._ROTATE_QUERY_MAX_BATCH = rotate_batch
                 stages = [1] if mma else args.stages
                 for block_kv, splits, num_stages in itertools.product(args.block_kv, args.splits, stages):
                     launch = dict(block_kv=block_kv, num_splits=splits, num_warps=1, num_stages=num_stages)
@@ -69,7 +73,9 @@ def main() -> None:
                     us = triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
                     if name not in best or us < best[name][0]:
                         best[name] = (us, f"kv{block_kv} sp{splits}" + ("" if mma else f" st{num_stages}"))
-            module.MMA_STAGE1, module._ROTATE_QUERY_MAX_BATCH = saved
+            module.MMA_STAGE1 = saved[0]
+            if rotates:
+                module._ROTATE_QUERY_MAX_BATCH = saved[1]
             cells = [f"{best[n][0]:.1f} ({best[n][1]})" if n in best else "-" for n in PATHS]
             rows.append(f"| {config.name} | {shape} | " + " | ".join(cells) + f" | {min(best, key=lambda n: best[n][0])} |")
             print(rows[-1], flush=True)

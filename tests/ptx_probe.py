@@ -14,7 +14,7 @@ costs each thread, counted the way the GPU executes it.
 kernel where the config's rotation allows it): registers, PTX instructions, comparisons
 (setp), shared-memory stores and the mix of global stores.
 
---mma compiles the Gluon stage 1 on mma.sync (planes MSE configs with 4-bit values) instead of
+--mma compiles the Gluon stage 1 on mma.sync (planes configs, render.mma_stage1) instead of
 the tl.dot kernel: registers, MMAs and shared-memory traffic (none, by design).
 
 --variants compiles the variants of tests/ablate_stage1.py side by side: registers,
@@ -81,14 +81,10 @@ def compile_stage1(module, block_kv: int, warps: int, stages: int, rotate_query:
 
 
 def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_launch: bool = False):
-    """The Gluon stage 1 (tq_decode_stage1_mma) with the launch decode gives it: one warp."""
+    """The Gluon stage 1 (tq_decode_stage1_mma) with the constants decode gives it (one warp)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    key_tile, value_tile = module._mma_tile_layouts(block_kv)
-    positions = min(block_kv, module.PAGE_SIZE)
-    constants = {"GROUP_SIZE": group_size, "BLOCK_H": max(8, triton.next_power_of_2(group_size)), "BLOCK_KV": block_kv,
-                 "TILE_PAGES": block_kv // positions, "TILE_POSITIONS": positions, "KEY_TILE": key_tile,
-                 "VALUE_TILE": value_tile, "DEPENDENT_LAUNCH": dependent_launch}
+    constants = module._mma_stage1_constants(block_kv, group_size, dependent_launch)
     return _compile_sm90(module.tq_decode_stage1_mma, constants, POINTER_TYPES, ("stride_",), 1, 1, GluonASTSource)
 
 

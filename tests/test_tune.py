@@ -308,14 +308,14 @@ def test_heuristic_is_close_to_the_measured_best_on_the_h200(setup, tmp_path):
     assert _geomean(ratios) < 1.03 and max(ratios) < 1.15
 
 
-# k4v4 (the Gluon kernel from batch 2, 2026-12-01): the heuristic's 64 splits at 128 x 65536 cost 3.1%
-# against the 32 the tuner picked; elsewhere within 1.3%.
-@pytest.mark.parametrize("preset,geomean,worst", [("k8v4", 1.02, 1.03), ("k4v4", 1.02, 1.04), ("k3v4", 1.02, 1.03),
-                                                  ("k3v3", 1.02, 1.03)])
+# The Gluon kernel (2026-12-01, fourth and fifth sessions): k8v4's 32 splits at 8 x 4096 cost 8.4% against
+# the 16 the tuner picked; every other pick of the four tables is within 1.4% of its bucket's best.
+@pytest.mark.parametrize("preset,geomean,worst", [("k8v4", 1.01, 1.09), ("k4v4", 1.01, 1.02), ("k3v4", 1.01, 1.01),
+                                                  ("k3v3", 1.01, 1.02)])
 def test_planes_heuristic_is_close_to_the_measured_best_on_the_h200(tmp_path, preset, geomean, worst):
-    """The same for the page-planar configs, whose heuristic differs (1 warp; 3 stages but with
-    3-bit values or splits of one tile)."""
-    module = emit.load(make_config(preset, cache_layout="planes"), tmp_path)
+    """The same for the page-planar configs, whose heuristic differs (1 warp, and the Gluon kernel's
+    rules; sm90, as tuned: fp8 keys have the Gluon kernel only where the arch converts e4m3)."""
+    module = emit.load(make_config(preset, cache_layout="planes", arch="sm90"), tmp_path)
     stem = "_kfp8_v4_" if preset == "k8v4" else f"_kmse{preset[1]}_v{preset[3]}_"  # this preset's tables
     ratios = _heuristic_ratios(module, [t for t in _timing_tables(planes=True) if stem in t[0]])
     assert len(ratios) >= 4

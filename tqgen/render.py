@@ -132,12 +132,38 @@ def nibble_selector(layout: Layout, bits: int, word: str, first_code: int) -> st
     return terms[0][1:-1] if len(terms) == 1 else " | ".join(terms)
 
 
-def mma_stage1(layout: Layout) -> bool:
+def mma_stage1(layout: Layout, arch: str) -> bool:
     """Whether decode stage 1 of this layout has the Gluon kernel on mma.sync (decode_stage1_mma.py.jinja):
-    page-planar MSE keys with 4-bit values, and a head_dim its tiles divide (a power of two from 64:
-    each lane decodes whole group words, a quarter of a key and an eighth of a value)."""
-    return (layout.planes and not layout.key_fp8 and layout.value_bits == 4
-            and layout.head_dim in (64, 128, 256))
+    the page-planar layout at a head_dim its tiles divide (a power of two from 64: each lane decodes whole
+    units of a record, a quarter of a key and an eighth of a value), with
+    - MSE keys, or fp8 keys on an arch with a hardware e4m3 converter;
+    - 4-bit values, or 3-bit values from head_dim 128 (a lane's low-bit words then fill 32-bit loads)."""
+    keys_ok = not layout.key_fp8 or arch in _FP8_HARDWARE_ARCHES
+    values_ok = layout.value_bits == 4 or (layout.value_bits == 3 and layout.head_dim >= 128)
+    return layout.planes and keys_ok and values_ok and layout.head_dim in (64, 128, 256)
+
+
+def split_value_codes(layout: Layout) -> list[tuple[str, int]]:
+    """For the Gluon kernel's split 3-bit values: per code k of a group (0..7), the expression that
+    leaves code k at bits p..p+2 of each 16-bit half of `low`, `(low >> 8)` and `high` (a register
+    pairing two tokens' 16-bit low words, and their high bytes), and p.
+
+    The two low bits are masked where they lie (bits 0..7 of `low` or of `low >> 8`); the high bit
+    is shifted in beside them. No other bit survives the masks, so each half reads as the fp16
+    subnormal code * 2**(p - 24), exact; p <= 7 keeps the code below the exponent bits (10..14).
+    """
+    terms = []
+    for code in range(8):
+        low_bit = layout.group_word_bit(3, code, 0)
+        assert layout.group_word_bit(3, code, 1) == low_bit + 1, "split low bits must be adjacent"
+        source, position = ("low", low_bit) if low_bit < 8 else ("(low >> 8)", low_bit - 8)
+        shift = position + 2 - (layout.group_word_bit(3, code, 2) - 16)
+        assert position <= 7 and -7 <= shift <= 8, (code, position, shift)
+        high = "high" if shift == 0 else f"(high << {shift})" if shift > 0 else f"(high >> {-shift})"
+        low_mask = (3 << position) * 0x10001
+        high_mask = (4 << position) * 0x10001
+        terms.append((f"({source} & 0x{low_mask:08X}) | ({high} & 0x{high_mask:08X})", position))
+    return terms
 
 
 def context(config: Config, tuned: dict | None = None) -> dict:
@@ -191,9 +217,10 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         # re-timed. MSE keys always take the code-plane path that this branch of stage 1 feeds.
         "stage1_rotates_query": (not layout.key_fp8 and config.rotation == "hadamard" and layout.planes
                                  and config.head_dim == 128),
-        # Planes MSE keys with 4-bit values at a power-of-two head_dim from 64: decode stage 1 also
-        # gets the tensor-core kernel of decode_stage1_mma.py.jinja (Gluon), used on GPUs that can.
-        "mma_stage1": mma_stage1(layout),
+        # Planes configs at a power-of-two head_dim from 64 (see mma_stage1): decode stage 1 also gets
+        # the tensor-core kernel of decode_stage1_mma.py.jinja (Gluon), used on GPUs that can.
+        "mma_stage1": mma_stage1(layout, config.arch),
+        "split_value_codes": split_value_codes(layout) if layout.split_high_bits(layout.value_bits) else [],
         "mma_centroid_scale": float(2 ** ((config.head_dim.bit_length() - 1) // 2)),  # about sqrt(head_dim)
         "fp8_hardware": fp8_hardware,
         "min_capability": min_capability,
