@@ -203,7 +203,7 @@ def main() -> None:
     module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-ptx-"))
     if args.mma:
         if not hasattr(module, "tq_decode_stage1_mma"):
-            raise SystemExit(f"--mma: {args.config} has no Gluon stage 1 (planes MSE keys, 4-bit values only)")
+            raise SystemExit(f"--mma: {args.config} has no Gluon stage 1 (render.mma_stage1)")
         compiled = compile_stage1_mma(module, args.block_kv, args.group_size)
     else:
         compiled = compile_stage1(module, args.block_kv, args.warps, args.stages, args.rotate_query)
