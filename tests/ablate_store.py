@@ -17,6 +17,7 @@ rows pass a copy of the rotation, which makes the launcher rotate the keys with 
 what the dropped work costs):
 - nofwht:   no Walsh-Hadamard transform (the unit key is coded unrotated)
 - nocodes:  no key codes (the codebook comparisons and the key code stores dropped)
+- nosearch: no code search (codes from one multiply; packing and code stores kept)
 """
 
 import argparse
@@ -38,6 +39,7 @@ NUM_KV_HEADS = 8
 VARIANTS = {
     "nofwht": ("_walsh_hadamard(key) * (", "key * ("),
     "nocodes": ("    _store_key_codes(cache_ptr, ", "    pass  # _store_key_codes(cache_ptr, "),
+    "nosearch": ("token_mask, codes)\n    _store_fp16", "token_mask, (rotated * 4.0).to(tl.int32) & 7)\n    _store_fp16"),
 }
 
 

@@ -2,7 +2,7 @@
 
     python3 tests/ptx_probe.py CONFIG [--block-kv 32] [--warps 1] [--stages 1] [--ptx OUT.ptx]
                                [--variants base nocorr ...]
-    python3 tests/ptx_probe.py CONFIG --store 16:4 [4:2 ...]
+    python3 tests/ptx_probe.py CONFIG --store 16:4 [4:2 ...] [--store-variants nofwht nosearch nocodes]
     python3 tests/ptx_probe.py CONFIG --block-kv 64 --sass [--variants base nocorr ...]
     python3 tests/ptx_probe.py CONFIG --mma [--block-kv 64] [--group-size 4] [--sass]
 
@@ -11,8 +11,9 @@ SASS opcode mix of stage 1's main loop (the longest backward branch): what one t
 costs each thread, counted the way the GPU executes it.
 
 --store compiles the store kernel instead, at block_t:num_warps (keys rotated in the
-kernel where the config's rotation allows it): registers, PTX instructions, comparisons
-(setp), shared-memory stores and the mix of global stores.
+kernel where the config's rotation allows it): registers, SASS and PTX instructions,
+comparisons (setp), shared-memory stores and the mix of global stores; --store-variants adds
+the edited kernels of tests/ablate_store.py.
 
 --mma compiles the Gluon stage 1 on mma.sync (planes configs, render.mma_stage1) instead of
 the tl.dot kernel: registers, MMAs and shared-memory traffic (none, by design).
@@ -30,6 +31,7 @@ triton version, which may differ from the GPU machine's.
 
 import argparse
 import collections
+import itertools
 import os
 import re
 import subprocess
@@ -42,7 +44,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import tqgen  # noqa: E402
-from tqgen import config as config_mod  # noqa: E402
+from tqgen import config as config_mod, render  # noqa: E402
 
 POINTER_TYPES = {"query_ptr": "*fp16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32"}
 
@@ -95,18 +97,44 @@ def compile_store(module, block_t: int, warps: int):
     if "KEYS_ROTATED" in kernel.arg_names:
         constants["KEYS_ROTATED"] = module.CONFIG["rotation"] != "hadamard"
     pointer_types = {"key_ptr": "*fp16", "value_ptr": "*fp16", "slot_mapping_ptr": "*i64", "cache_ptr": "*u8"}
-    return _compile_sm90(kernel, constants, pointer_types, ("stride_key", "stride_value", "stride_cache"), warps, 1)
+    # A slots cache's head stride is the slot size, which is rarely a multiple of 16 (a launch then
+    # specializes it as unaligned); its block and position strides are, with 16-token pages and 8 heads.
+    aligned = ("stride_key", "stride_value", "stride_cache_block", "stride_cache_pos")
+    if module.SLOT_BYTES % 16 == 0 or "stride_cache_pos" not in kernel.arg_names:
+        aligned += ("stride_cache_head",)
+    return _compile_sm90(kernel, constants, pointer_types, aligned, warps, 1)
 
 
-def report_store(config, module, launches) -> None:
-    for launch in launches:
+def sass_count(cubin: bytes) -> int:
+    """SASS instructions in the whole cubin (cuobjdump's listing)."""
+    return len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", disassemble(cubin), flags=re.MULTILINE))
+
+
+def store_variant_modules(config, module, names):
+    """(name, module) for the shipped store and each of tests/ablate_store.py's VARIANTS in names."""
+    from ablate_stage1 import import_source  # beside this file
+    from ablate_store import VARIANTS
+
+    source, folder, out = render.render(config), tempfile.mkdtemp(prefix="tqgen-ptx-"), [("shipped", module)]
+    for name in names:
+        old, new = VARIANTS[name]
+        if old not in source:
+            raise SystemExit(f"store variant {name!r} does not apply to {config.name}")
+        out.append((name, import_source(source.replace(old, new), f"{config.name}_{name}".replace("-", "_"), folder)))
+    return out
+
+
+def report_store(config, module, launches, variants=()) -> None:
+    for (name, variant), launch in itertools.product(store_variant_modules(config, module, variants), launches):
         block_t, warps = map(int, launch.split(":"))
-        ptx = compile_store(module, block_t, warps).asm["ptx"]
+        compiled = compile_store(variant, block_t, warps)
+        ptx = compiled.asm["ptx"]
         instructions = [line for line in ptx.splitlines() if line.startswith("\t") and line.strip()
                         and not line.strip().startswith(("//", ".", "{", "}")) and not line.strip().endswith(":")]
         stores = collections.Counter(re.findall(r"st\.global(?:\.\w+)*", ptx))
-        print(f"{config.name} store {block_t}:{warps} (triton {triton.__version__}, sm90a): {ptxas_usage(ptx)}; "
-              f"{len(instructions)} PTX instructions, setp x{ptx.count('setp')}, st.shared x{ptx.count('st.shared')}; "
+        label = "" if name == "shipped" else f" [{name}]"
+        print(f"{config.name} store{label} {block_t}:{warps} (triton {triton.__version__}, sm90a): {ptxas_usage(ptx)}; "
+              f"{sass_count(compiled.asm['cubin'])} SASS, {len(instructions)} PTX instructions, setp x{ptx.count('setp')}, st.shared x{ptx.count('st.shared')}; "
               + ", ".join(f"{kind} x{count}" for kind, count in stores.most_common()), flush=True)
 
 
@@ -130,14 +158,19 @@ def _bundled_tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def sass_loop_mix(cubin: bytes) -> str:
-    """The opcode mix of the kernel's longest loop, from cuobjdump's SASS of the cubin triton built (sm90a)."""
+def disassemble(cubin: bytes) -> str:
+    """cuobjdump's SASS listing of a cubin triton built, with the cuobjdump bundled with it."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "k.cubin")
         with open(path, "wb") as handle:
             handle.write(cubin)
-        sass = subprocess.run([_bundled_tool("cuobjdump"), "-sass", path], check=True, capture_output=True,
+        return subprocess.run([_bundled_tool("cuobjdump"), "-sass", path], check=True, capture_output=True,
                               text=True).stdout
+
+
+def sass_loop_mix(cubin: bytes) -> str:
+    """The opcode mix of the kernel's longest loop, from cuobjdump's SASS of the cubin triton built (sm90a)."""
+    sass = disassemble(cubin)
     instructions = []  # (address, opcode, line)
     for line in sass.splitlines():
         found = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", line)
@@ -187,6 +220,8 @@ def main() -> None:
     parser.add_argument("--ptx", help="also write the PTX here")
     parser.add_argument("--variants", nargs="+", help="compare variants (see the docstring)")
     parser.add_argument("--store", nargs="+", metavar="BLOCK_T:WARPS", help="compile the store kernel instead")
+    parser.add_argument("--store-variants", nargs="+", default=[], metavar="VARIANT",
+                        help="with --store: also compile these variants of tests/ablate_store.py")
     parser.add_argument("--sass", action="store_true", help="also print the SASS opcode mix of stage 1's loop")
     parser.add_argument("--mma", action="store_true", help="compile the Gluon stage 1 on mma.sync instead")
     parser.add_argument("--group-size", type=int, default=4, help="query heads per KV head (--mma)")
@@ -195,7 +230,8 @@ def main() -> None:
     args = parser.parse_args()
     config = config_mod.resolve_arch(config_mod.load(args.config), (9, 0))
     if args.store:
-        report_store(config, tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-ptx-")), args.store)
+        report_store(config, tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-ptx-")), args.store,
+                     args.store_variants)
         return
     if args.variants:
         compare_variants(config, args.variants, args.block_kv, args.warps, args.stages, args.sass)

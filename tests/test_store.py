@@ -5,8 +5,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from conftest import PRESETS, codebook_kwargs, make_config
+from conftest import HAS_CUDA, PRESETS, codebook_kwargs, make_config
 from tqgen import codebook, reference, render
 from tqgen.layout import Layout
 from tqgen.verify import store_differences
@@ -17,8 +19,7 @@ SENTINEL = 0xA5
 
 def _store_both(module, config, batch, device, num_kv_heads):
     kwargs = codebook_kwargs(module, config, device)
-    cache = torch.full((batch.num_blocks, config.block_size, num_kv_heads, module.SLOT_BYTES), SENTINEL,
-                       dtype=torch.uint8, device=device)
+    cache = module.make_cache(batch.num_blocks, num_kv_heads, device).fill_(SENTINEL)  # either layout
     expected = cache.clone()
     module.store(batch.key, batch.value, cache, batch.slot_mapping, **kwargs)
     reference.store(config, batch.key, batch.value, expected, batch.slot_mapping,
@@ -195,3 +196,82 @@ def test_the_code_search_counts_the_boundaries_at_or_below_each_value(bits):
                  **{f"boundary{j}": boundary for j, boundary in enumerate(boundaries)}}
     exec("\n".join(render.code_search(bits)), namespace)
     assert torch.equal(namespace["codes"], (values[:, None] >= boundaries).sum(-1).to(torch.int32))
+
+
+# --- the arithmetic shortcuts of the compiled kernel (GPU: the interpreter takes the plain paths) --
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("preset,layout", [("k8v4", "planes"), ("k3v3", "planes"), ("k4v4", "slots")])
+@pytest.mark.parametrize("_", [pytest.param(None, id="cuda", marks=GPU)])
+def test_value_codes_at_the_rounding_thresholds(build_module, preset, layout, _):
+    """fp32 values a few ulps either side of (code + 1/2) * scale, constant rows (the 1e-8 floor of
+    the scale) and rows of one outlier: every value byte equals the reference's, which divides in
+    IEEE fp32 (the kernel by a reciprocal per row and fused multiply-adds: _divide_rows)."""
+    config = make_config(preset, cache_layout=layout)
+    module = build_module(config)
+    levels = 2**config.value_bits - 1
+    generator = torch.Generator().manual_seed(11)
+    batch = paged_batch(config, [256], num_kv_heads=1, dtype=torch.float32, generator=generator)
+    value = batch.value.double()
+    low, high = value.amin(-1, keepdim=True), value.amax(-1, keepdim=True)
+    scale = ((high - low).float() / levels).double()
+    code = torch.randint(0, levels, value.shape, generator=generator).double()
+    ulps = torch.randint(-3, 4, value.shape, generator=generator).float()
+    at = (low + (code + 0.5) * scale).float()
+    nudged = at + ulps * torch.finfo(torch.float32).eps * at.abs()
+    nudged[..., 0], nudged[..., 1] = low[..., 0].float(), high[..., 0].float()  # keep each row's range
+    nudged[:8] = 0.75  # constant rows
+    nudged[8:16] = 0.0
+    nudged[8:16, :, 3] = 1e4  # one outlier
+    batch.key, batch.value, batch.slot_mapping = batch.key.cuda(), nudged.cuda(), batch.slot_mapping.cuda()
+    _, _, differing = _store_both(module, config, batch, "cuda", num_kv_heads=1)
+    assert differing == 0, f"{differing} bytes differ"
+
+
+@pytest.mark.parametrize("layout", ["slots", "planes"])
+@pytest.mark.parametrize("_", [pytest.param(None, id="cuda", marks=GPU)])
+def test_fp8_keys_of_every_fp16_value(build_module, layout, _):
+    """Every finite fp16 bit pattern as a key: on sm89+ the kernel casts with cvt.rn.satfinite,
+    elsewhere by integer ops; either way the reference's saturating cast, byte for byte."""
+    config = make_config("k8v4", cache_layout=layout)
+    module = build_module(config)
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    every = torch.where(torch.isfinite(every), every, torch.zeros_like(every))
+    batch = paged_batch(config, [every.numel() // 128], num_kv_heads=1, generator=torch.Generator().manual_seed(5))
+    batch.key, batch.value, batch.slot_mapping = every.reshape(-1, 1, 128).cuda(), batch.value.cuda(), batch.slot_mapping.cuda()
+    cache, expected, _ = _store_both(module, config, batch, "cuda", num_kv_heads=1)
+    assert torch.equal(cache, expected), f"{int((cache != expected).sum())} bytes differ"
+
+
+@triton.jit
+def _divide_rows_kernel(numerator_ptr, denominator_ptr, fast_ptr, exact_ptr, COLS: tl.constexpr,
+                        DIVIDE: tl.constexpr):
+    row = tl.program_id(0)
+    col = tl.arange(0, COLS)[None, :]
+    numerator = tl.load(numerator_ptr + row * COLS + col)
+    denominator = tl.load(denominator_ptr + row + tl.arange(0, 1))
+    tl.store(fast_ptr + row * COLS + col, DIVIDE(numerator, denominator))
+    tl.store(exact_ptr + row * COLS + col, tl.math.div_rn(numerator, denominator[:, None]))
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, id="cuda", marks=GPU)])
+def test_divide_rows_is_div_rn(build_module, _):
+    """_divide_rows (a reciprocal per row, then CUDA's own fast path of div.rn by fused multiply-adds)
+    equals div_rn bit for bit: 1024 numerators in [0, 16 * divisor), the code thresholds and 0, for
+    each of 4096 divisors from 1e-8 to about 2**100 (random mantissas, 1, and all ones)."""
+    module = build_module(make_config("k3v4"))
+    generator = torch.Generator().manual_seed(3)
+    exponents = torch.randint(-27, 100, (4096,), generator=generator).double()
+    mantissas = torch.rand(4096, generator=generator, dtype=torch.float64) + 1.0
+    mantissas[:64] = 1.0
+    mantissas[64:128] = 2.0 - 2.0**-23
+    denominator = (mantissas * 2.0**exponents).float().clamp_min(1e-8)
+    cols = 1024
+    numerator = torch.rand(4096, cols, generator=generator) * 16.0 * denominator[:, None]
+    numerator[:, :16] = (torch.arange(16) + 0.5) * denominator[:, None]  # at the code thresholds
+    numerator[:, 16] = 0.0
+    numerator, denominator = numerator.cuda(), denominator.cuda()
+    fast, exact = torch.empty_like(numerator), torch.empty_like(numerator)
+    _divide_rows_kernel[(4096,)](numerator, denominator, fast, exact, COLS=cols, DIVIDE=module._divide_rows)
+    assert torch.equal(fast.view(torch.int32), exact.view(torch.int32))

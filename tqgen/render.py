@@ -223,6 +223,9 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         "split_value_codes": split_value_codes(layout) if layout.split_high_bits(layout.value_bits) else [],
         "mma_centroid_scale": float(2 ** ((config.head_dim.bit_length() - 1) // 2)),  # about sqrt(head_dim)
         "fp8_hardware": fp8_hardware,
+        # common.py.jinja's PTX helpers (and their _INTERPRETED switch): planes MSE keys' codebook
+        # lookup and the Gluon stage 1's value codes. store.py.jinja defines the switch otherwise.
+        "ptx_helpers": layout.planes and (mma_stage1(layout, config.arch) or not layout.key_fp8),
         "min_capability": min_capability,
         "norm_correction": config.norm_correction,
         "levels": list(codebook.lloyd_max_levels(config.key_bits)) if not layout.key_fp8 else [],
