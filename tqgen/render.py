@@ -171,6 +171,7 @@ def context(config: Config, tuned: dict | None = None) -> dict:
     if config.arch == "auto":
         raise ValueError("resolve the arch (config.resolve_arch) before rendering")
     layout = Layout.from_config(config)
+    has_mma_stage1 = mma_stage1(layout, config.arch)
     fp8_hardware = config.arch in _FP8_HARDWARE_ARCHES
     min_capability = (8, 9) if (layout.key_fp8 and fp8_hardware) else (8, 0)
     config_items = [(k, json.dumps(v)) for k, v in config.to_dict().items() if v is not None]
@@ -219,13 +220,13 @@ def context(config: Config, tuned: dict | None = None) -> dict:
                                  and config.head_dim == 128),
         # Planes configs at a power-of-two head_dim from 64 (see mma_stage1): decode stage 1 also gets
         # the tensor-core kernel of decode_stage1_mma.py.jinja (Gluon), used on GPUs that can.
-        "mma_stage1": mma_stage1(layout, config.arch),
+        "mma_stage1": has_mma_stage1,
         "split_value_codes": split_value_codes(layout) if layout.split_high_bits(layout.value_bits) else [],
         "mma_centroid_scale": float(2 ** ((config.head_dim.bit_length() - 1) // 2)),  # about sqrt(head_dim)
         "fp8_hardware": fp8_hardware,
         # common.py.jinja's PTX helpers (and their _INTERPRETED switch): planes MSE keys' codebook
         # lookup and the Gluon stage 1's value codes. store.py.jinja defines the switch otherwise.
-        "ptx_helpers": layout.planes and (mma_stage1(layout, config.arch) or not layout.key_fp8),
+        "ptx_helpers": layout.planes and (has_mma_stage1 or not layout.key_fp8),
         "min_capability": min_capability,
         "norm_correction": config.norm_correction,
         "levels": list(codebook.lloyd_max_levels(config.key_bits)) if not layout.key_fp8 else [],
