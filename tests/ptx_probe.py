@@ -50,9 +50,10 @@ POINTER_TYPES = {"query_ptr": "*fp16", "cache_ptr": "*u8", "block_table_ptr": "*
 
 
 def _compile_sm90(kernel, constants: dict, pointer_types: dict, aligned_strides: tuple[str, ...], warps: int,
-                  stages: int, source_type=ASTSource):
+                  stages: int, source_type=ASTSource, **options):
     """Compile for sm90 with a real launch's specializations: pointers 16-byte aligned, the named
-    strides multiples of 16, every other argument a 32-bit int (score_scale a float)."""
+    strides multiples of 16, every other argument a 32-bit int (score_scale a float); options are
+    further compile options (maxnreg)."""
     signature, attributes = {}, {}
     for index, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -65,7 +66,7 @@ def _compile_sm90(kernel, constants: dict, pointer_types: dict, aligned_strides:
             if name.startswith(aligned_strides):
                 attributes[(index,)] = [["tt.divisibility", 16]]
     source = source_type(kernel, signature, constants, attributes)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages, **options))
 
 
 def compile_stage1(module, block_kv: int, warps: int, stages: int, rotate_query: bool = False):
@@ -87,7 +88,9 @@ def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_lau
     from triton.experimental.gluon._runtime import GluonASTSource
 
     constants = module._mma_stage1_constants(block_kv, group_size, dependent_launch)
-    return _compile_sm90(module.tq_decode_stage1_mma, constants, POINTER_TYPES, ("stride_",), 1, 1, GluonASTSource)
+    options = dict(module._mma_stage1_options(block_kv))
+    return _compile_sm90(module.tq_decode_stage1_mma, constants, POINTER_TYPES, ("stride_",), options.pop("num_warps"), 1,
+                         GluonASTSource, **options)
 
 
 def compile_store(module, block_t: int, warps: int):

@@ -3,6 +3,7 @@
 import dataclasses
 import hashlib
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -236,6 +237,21 @@ def test_unparsable_yaml_is_refused_naming_the_line(tmp_path, text, line):
         assert int(match.group(1)) == line
     else:  # the parser notices an unclosed bracket later; it must still point inside the file
         assert 1 <= int(match.group(1)) <= text.count("\n") + 1
+
+
+@pytest.mark.parametrize("depth", [33, 5000])
+def test_deeply_nested_yaml_is_refused_before_parsing(tmp_path, depth):
+    path = _write(tmp_path, f"key_format: mse\nvalue_bits: 4\nhead_dim: {'[' * depth}128{']' * depth}\n")
+    started = time.perf_counter()
+    message = str(_refusal(lambda: load(path)))
+    assert message == f"{path}: <yaml>: not valid YAML: nested too deeply"
+    assert time.perf_counter() - started < 0.5  # PyYAML alone took seconds to hit the recursion limit
+
+
+def test_brackets_in_quotes_and_comments_are_not_nesting(tmp_path):
+    many = "[" * 40
+    path = _write(tmp_path, f"# {many}\nkey_format: mse  # {many}\nvalue_bits: 4\nhead_dim: 128\nname: '{many}'\n")
+    assert load(path).name == many
 
 
 def test_directory_is_refused(tmp_path):

@@ -308,9 +308,11 @@ def test_heuristic_is_close_to_the_measured_best_on_the_h200(setup, tmp_path):
     assert _geomean(ratios) < 1.03 and max(ratios) < 1.15
 
 
-# The Gluon kernel (2026-12-01, fourth and fifth sessions): k8v4's 32 splits at 8 x 4096 cost 8.4% against
-# the 16 the tuner picked; every other pick of the four tables is within 1.4% of its bucket's best.
-@pytest.mark.parametrize("preset,geomean,worst", [("k8v4", 1.01, 1.09), ("k4v4", 1.01, 1.02), ("k3v4", 1.01, 1.01),
+# The Gluon kernel, re-tuned after its register cut (2026-12-01, seventh session): k8v4's 32 splits at
+# 8 x 4096 cost 9.8% against the 16 the tuner picked (8.4% in the table before: the same pick, re-timed);
+# k3v4's 32-token tiles cost 2.5% at 2 x 65536, where 64 won; every other pick is within 3.5%
+# (k8v4 1 x 4096: 32 splits, 64 won), and those of the MSE tables within 1.7%.
+@pytest.mark.parametrize("preset,geomean,worst", [("k8v4", 1.01, 1.10), ("k4v4", 1.01, 1.02), ("k3v4", 1.01, 1.03),
                                                   ("k3v3", 1.01, 1.02)])
 def test_planes_heuristic_is_close_to_the_measured_best_on_the_h200(tmp_path, preset, geomean, worst):
     """The same for the page-planar configs, whose heuristic differs (1 warp, and the Gluon kernel's

@@ -253,6 +253,32 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# A config nests one level at most (no field takes a list of lists); deeper flow collections are
+# refused before parsing, which PyYAML does recursively: a few thousand brackets took it seconds
+# to reach Python's recursion limit.
+_MAX_FLOW_DEPTH = 32
+
+
+def _flow_depth(text: str) -> int:
+    """The deepest nesting of YAML flow collections ([...] and {...}) in text, outside quotes and comments."""
+    depth = deepest = 0
+    for line in text.splitlines():
+        quote = None
+        for index, char in enumerate(line):
+            if quote:
+                quote = None if char == quote else quote
+            elif char in "'\"":
+                quote = char
+            elif char == "#" and (index == 0 or line[index - 1].isspace()):
+                break
+            elif char in "[{":
+                depth += 1
+                deepest = max(deepest, depth)
+            elif char in "]}":
+                depth -= 1
+    return deepest
+
+
 def load(path: str | os.PathLike) -> Config:
     """Read and validate one YAML config file."""
     source = str(path)
@@ -264,6 +290,8 @@ def load(path: str | os.PathLike) -> Config:
         raise ConfigError(source, "<file>", "is a directory, expected a YAML file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(source, "<file>", f"cannot be read ({exc.__class__.__name__}: {exc})") from None
+    if _flow_depth(text) > _MAX_FLOW_DEPTH:
+        raise ConfigError(source, "<yaml>", "not valid YAML: nested too deeply")
     try:
         data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
