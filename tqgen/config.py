@@ -255,8 +255,9 @@ class _StrictLoader(yaml.SafeLoader):
 
 # A config nests one level at most (no field takes a list of lists); deeper flow collections are
 # refused before parsing, which PyYAML does recursively: a few thousand brackets took it seconds
-# to reach Python's recursion limit.
+# to reach Python's recursion limit. Both refusals, before parsing and on recursion, say the same.
 _MAX_FLOW_DEPTH = 32
+_TOO_DEEP = "not valid YAML: nested too deeply"
 
 
 def _flow_depth(text: str) -> int:
@@ -291,7 +292,7 @@ def load(path: str | os.PathLike) -> Config:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(source, "<file>", f"cannot be read ({exc.__class__.__name__}: {exc})") from None
     if _flow_depth(text) > _MAX_FLOW_DEPTH:
-        raise ConfigError(source, "<yaml>", "not valid YAML: nested too deeply")
+        raise ConfigError(source, "<yaml>", _TOO_DEEP)
     try:
         data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
@@ -302,7 +303,7 @@ def load(path: str | os.PathLike) -> Config:
         problem = getattr(exc, "problem", None) or "invalid syntax"
         raise ConfigError(source, "<yaml>", f"not valid YAML{where}: {problem}") from None
     except RecursionError:
-        raise ConfigError(source, "<yaml>", "not valid YAML: nested too deeply") from None
+        raise ConfigError(source, "<yaml>", _TOO_DEEP) from None
     except (ValueError, TypeError, OverflowError) as exc:  # scalars yaml cannot build: 2001-13-45, 10**5000
         raise ConfigError(source, "<yaml>", f"not valid YAML: {' '.join(str(exc).split())[:200]}") from None
     if data is None:
