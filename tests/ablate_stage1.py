@@ -17,7 +17,8 @@ give wrong outputs on purpose: they measure what that work costs.
 - nokey_novalue: both; what remains is loads, addressing and the softmax
 - noop:          every split exits at once (what remains is the launches, the seq_lens
                  load and stage 2: the floor at batch 1)
-- nocorr:        no norm correction (centroid squares neither summed nor applied)
+- nocorr:        no norm correction (centroid squares neither summed nor applied; slots layout
+                 only: planes stores norm-corrected norms)
 - sqdot:         centroid squares summed by a tl.dot of fp16 squares against ones, not by tl.sum
                  (slots layout only)
 - capN:          stage 1 compiled with at most N registers per thread (triton's maxnreg), e.g. cap168
@@ -75,6 +76,8 @@ def variant(source: str, name: str) -> str:
     if name == "noop":
         edited = edited.replace("    if split_start >= split_end:\n", "    if split_start >= 0:  # ablation: no split has work\n")
     if name == "nocorr":
+        if "centroid_sq" not in edited:
+            raise SystemExit("variant 'nocorr' needs a kernel that corrects norms (slots; planes stores them corrected)")
         edited = re.sub(r"\n *centroid_sq (\+)?= .*", "", edited)
         edited = edited.replace("key_norm = key_norm / tl.sqrt(centroid_sq + 1e-16)", "pass")
     if "nokey" in name:

@@ -185,6 +185,42 @@ def test_store_differences_allows_only_boundary_ties_and_one_ulp_norms():
     assert differences(value) == 1
 
 
+def test_store_differences_takes_a_corrected_norm_from_the_codes_stored():
+    """"planes" stores norm-corrected norms (layout.key_norm_corrected): where a tie took the other
+    code, the norm must be the one of the codes stored, not the reference's."""
+    config = make_config("k4v4", cache_layout="planes")
+    layout = Layout.from_config(config)
+    assert layout.key_norm_corrected
+    rotation = torch.eye(config.head_dim)
+    centroids = torch.tensor(codebook.centroids(config.key_bits, config.head_dim))
+    unit = torch.zeros(1, 1, config.head_dim, dtype=torch.float64)
+    unit[0, 0, 0] = float(reference.decision_boundaries(centroids)[14])  # between the two largest centroids
+    unit[0, 0, 1] = (1 - unit[0, 0, 0] ** 2) ** 0.5
+    key = (unit * 3.0).float()
+    slots = torch.tensor([0])
+    expected = torch.zeros(1, 1, layout.page_bytes, dtype=torch.uint8)
+    reference.store(config, key, key, expected, slots, rotation, centroids)
+
+    def flipped(norm):  # the other side of the tie at dim 0, with this fp16 norm
+        rows = reference.as_slots(config, expected).clone()
+        codes = reference.unpack_codes(rows[0, 0, 0, : layout.key_code_bytes], layout.key_bits, config.head_dim)
+        codes[0] = 29 - codes[0]
+        rows[0, 0, 0, : layout.key_code_bytes] = reference.pack_codes(codes, layout.key_bits)
+        if norm is not None:
+            c = centroids.double()[codes]
+            exact = 3.0 / torch.sqrt((c * c).sum() + 1e-16)
+            rows[0, 0, 0, layout.key_norm_offset: layout.key_norm_offset + 2] = (
+                exact.to(torch.float16).reshape(1).view(torch.uint8))
+        return reference.slots_to_pages(layout, rows)
+
+    def differences(cache):
+        return store_differences(config, cache, expected, key, slots, rotation, centroids)
+
+    assert differences(expected) == 0
+    assert differences(flipped(norm="exact")) == 0
+    assert differences(flipped(norm=None)) == 1  # the reference's norm: that of the other code
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_the_code_search_counts_the_boundaries_at_or_below_each_value(bits):
     """The store's binary search (render.code_search), run as torch code: the code of every

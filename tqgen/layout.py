@@ -26,6 +26,10 @@ Two cache layouts hold those slots (config `cache_layout`):
   the 2-bit stream of the codes' low bits followed by the 1-bit stream of their high
   bits (same size), so that groups of 8 codes are 16- and 8-bit words; within a group
   the codes take the orders SPLIT_LOW_ORDER and SPLIT_HIGH_ORDER (see there).
+  With norm correction (config `norm_correction`), "planes" also stores the key norm
+  already corrected: ||k|| / sqrt(sum c^2 + 1e-16) of the token's centroids c, so that
+  decode scales each score by the stored norm alone (`key_norm_corrected`). "slots" keeps
+  format.md's plain norm, and its decode divides by the centroid norm itself.
 """
 
 from __future__ import annotations
@@ -63,11 +67,12 @@ class Layout:
     value_bits: int
     page_size: int = 16  # tokens per cache block
     cache_layout: str = "slots"  # or "planes" (see the module docstring)
+    norm_correction: bool = False  # MSE keys: scores use the centroid vector rescaled to unit length
 
     @classmethod
     def from_config(cls, config: Config) -> "Layout":
         return cls(config.head_dim, config.key_format, config.key_bits, config.value_bits,
-                   config.block_size, config.cache_layout)
+                   config.block_size, config.cache_layout, config.norm_correction)
 
     @property
     def planes(self) -> bool:
@@ -91,6 +96,22 @@ class Layout:
     def key_norm_offset(self) -> int | None:
         """Offset of the fp16 key norm; None for fp8 keys, which have none."""
         return None if self.key_fp8 else self.key_code_bytes
+
+    @property
+    def key_norm_corrected(self) -> bool:
+        """Whether the stored key norm is already divided by the norm of the token's centroid
+        vector ("planes" with norm correction): decode then needs no centroid squares, which
+        cost the tensor-core stage 1 a second MMA and 10 registers (BENCHMARKS.md)."""
+        return self.planes and not self.key_fp8 and self.norm_correction
+
+    @property
+    def norm_correction_at_decode(self) -> bool:
+        """Whether readers of the cache divide by the centroid norm themselves ("slots")."""
+        return self.norm_correction and not self.key_fp8 and not self.key_norm_corrected
+
+    @property
+    def _key_norm_name(self) -> str:
+        return "key norm, corrected" if self.key_norm_corrected else "key norm"
 
     @property
     def key_packed_bytes(self) -> int:
@@ -149,7 +170,7 @@ class Layout:
         """(name, slot offset, bytes) of each record: what "planes" stores per token and plane."""
         rows = [("key values (fp8 e4m3fn)" if self.key_fp8 else "key codes", self.key_code_offset, self.key_code_bytes)]
         if not self.key_fp8:
-            rows.append(("key norm", self.key_norm_offset, 2))
+            rows.append((self._key_norm_name, self.key_norm_offset, 2))
         rows.append(("value codes", self.value_code_offset, self.value_code_bytes))
         rows.append(("value scale and zero", self.value_scale_offset, 4))
         if self.slot_bytes != self.used_bytes:
@@ -192,7 +213,7 @@ class Layout:
             rows.append(("key values (fp8 e4m3fn)", self.key_code_offset, self.key_code_bytes))
         else:
             rows.append((f"key codes ({self.key_bits}-bit)", self.key_code_offset, self.key_code_bytes))
-            rows.append(("key norm (fp16)", self.key_norm_offset, 2))
+            rows.append((f"{self._key_norm_name} (fp16)", self.key_norm_offset, 2))
         rows.append((f"value codes ({self.value_bits}-bit)", self.value_code_offset, self.value_code_bytes))
         rows.append(("value scale (fp16)", self.value_scale_offset, 2))
         rows.append(("value zero (fp16)", self.value_zero_offset, 2))

@@ -145,6 +145,9 @@ def encode_slots(config: Config, key: torch.Tensor, value: torch.Tensor,
         boundaries = decision_boundaries(centroids.to(key.device))
         codes = (rotated.unsqueeze(-1) >= boundaries).sum(-1)
         slots[..., : layout.key_code_bytes] = pack_codes(codes, layout.key_bits)
+        if layout.key_norm_corrected:  # fp32, as the store kernel computes it
+            c = centroids.to(device=key.device, dtype=torch.float32)[codes]
+            norm = norm / torch.sqrt((c * c).sum(-1) + 1e-16)
         off = layout.key_norm_offset
         slots[..., off: off + 2] = _fp16_bytes(norm)
     v = value.to(torch.float32)
@@ -188,7 +191,7 @@ def decode_slots(config: Config, slots: torch.Tensor, rotation: torch.Tensor | N
     else:
         codes = unpack_codes(slots[..., : layout.key_code_bytes], layout.key_bits, d)
         c = centroids.to(device=slots.device, dtype=dtype)[codes]
-        if config.norm_correction:
+        if layout.norm_correction_at_decode:  # "planes" stores the corrected norm instead
             c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16)
         off = layout.key_norm_offset
         norm = _fp16_from_bytes(slots[..., off: off + 2]).to(dtype)

@@ -115,6 +115,22 @@ def code_search(bits: int) -> list[str]:
     return lines
 
 
+def centroid_square_select(bits: int) -> list[str]:
+    """Statements that set `centroid_square` to each element's squared centroid from the bits
+    `code_search` decided (`code_bit{i}`) and scalars `centroid_square{j}`: a tree of tl.where
+    over the bits, highest (first decided) first, so that each bit is used up as it is decided;
+    2**bits - 1 selects and no memory access, for the store's norm correction. Intermediate
+    values are named (`square{i}_{k}`) to keep each line short."""
+    names = [f"centroid_square{j}" for j in range(2**bits)]
+    lines = []
+    for bit in range(bits - 1, -1, -1):
+        half = len(names) // 2
+        pairs = [f"tl.where(code_bit{bit}, {names[half + k]}, {names[k]})" for k in range(half)]
+        names = [f"square{bit}_{k}" for k in range(half)] if half > 1 else ["centroid_square"]
+        lines += [f"{name} = {pair}" for name, pair in zip(names, pairs)]
+    return lines
+
+
 def nibble_selector(layout: Layout, bits: int, word: str, first_code: int) -> str:
     """Expression that moves codes first_code..first_code+3 of a group word into the four
     nibbles of a byte-permute selector (code k at bits 4k..). Bits moved by the same shift
@@ -202,6 +218,7 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         "word_bit": layout.group_word_bit,  # where each code bit of a group sits in its loaded word
         "nibble_selector": lambda bits, word, first_code: nibble_selector(layout, bits, word, first_code),
         "code_search": code_search,  # store: the binary search for a key code
+        "centroid_square_select": centroid_square_select,  # store: its centroid's square, by the same bits
         # int32 registers per codebook byte table (common.py.jinja): 4 entries each, 8 entries at least.
         "table_registers": max(2, 2**config.key_bits // 4),
         "cache_strides": ("kv_cache.stride(0), kv_cache.stride(1)" if layout.planes
@@ -222,13 +239,15 @@ def context(config: Config, tuned: dict | None = None) -> dict:
         # the tensor-core kernel of decode_stage1_mma.py.jinja (Gluon), used on GPUs that can.
         "mma_stage1": has_mma_stage1,
         "split_value_codes": split_value_codes(layout) if layout.split_high_bits(layout.value_bits) else [],
-        "mma_centroid_scale": float(2 ** ((config.head_dim.bit_length() - 1) // 2)),  # about sqrt(head_dim)
         "fp8_hardware": fp8_hardware,
         # common.py.jinja's PTX helpers (and their _INTERPRETED switch): planes MSE keys' codebook
         # lookup and the Gluon stage 1's value codes. store.py.jinja defines the switch otherwise.
         "ptx_helpers": layout.planes and (has_mma_stage1 or not layout.key_fp8),
         "min_capability": min_capability,
         "norm_correction": config.norm_correction,
+        # Where the norm correction happens: in the store ("planes") or in every reader ("slots").
+        "key_norm_corrected": layout.key_norm_corrected,
+        "norm_correction_at_decode": layout.norm_correction_at_decode,
         "levels": list(codebook.lloyd_max_levels(config.key_bits)) if not layout.key_fp8 else [],
         "embedded_sources": _embedded_sources(codebook),
         "bucket_sources": _embedded_sources(buckets),

@@ -38,8 +38,10 @@ def store_differences(config: Config, cache: torch.Tensor, expected: torch.Tenso
     Every byte must match exactly, except for MSE keys: each code must be that of the
     float64 rotated key, or where that lies within BOUNDARY_TIE of a decision boundary,
     the code of either side (both are then the nearest centroid to rounding); the fp16
-    norm may differ by one unit in the last place (fp32 sums in another order). Each
-    code or norm outside these limits counts as one differing byte.
+    norm may differ by one unit in the last place (fp32 sums in another order). A
+    norm-corrected norm ("planes") of a token whose codes took the other side of a tie is
+    compared with the exact quotient for the codes it stored. Each code or norm outside
+    these limits counts as one differing byte.
     """
     layout = Layout.from_config(config)
     if layout.key_fp8:
@@ -49,7 +51,8 @@ def store_differences(config: Config, cache: torch.Tensor, expected: torch.Tenso
     slots = slot_mapping[written].to(torch.int64)
     where = (slots // layout.page_size, slots % layout.page_size)
     got_rows, want_rows = got[where], want[where]  # [tokens, heads, slot_bytes]: copies
-    codes = reference.unpack_codes(got_rows[..., : layout.key_code_bytes], layout.key_bits, config.head_dim)
+    codes, want_codes = (reference.unpack_codes(rows[..., : layout.key_code_bytes], layout.key_bits, config.head_dim)
+                         for rows in (got_rows, want_rows))
     norm = slice(layout.key_norm_offset, layout.key_norm_offset + 2)
     norm_bits = [rows[..., norm].contiguous().view(torch.int16).squeeze(-1).to(torch.int32)
                  for rows in (got_rows, want_rows)]
@@ -58,7 +61,6 @@ def store_differences(config: Config, cache: torch.Tensor, expected: torch.Tenso
         rows[..., norm] = 0
         view[where] = rows
     differing = int((got != want).sum())  # every other byte must be equal
-    differing += int(((norm_bits[0] - norm_bits[1]).abs() > 1).sum())
 
     exact = key[written].double()
     unit = exact / (exact.norm(dim=-1, keepdim=True) + 1e-8)
@@ -67,6 +69,15 @@ def store_differences(config: Config, cache: torch.Tensor, expected: torch.Tenso
     lowest = (rotated - BOUNDARY_TIE >= boundaries).sum(-1)  # the code of each side of a tie
     highest = (rotated + BOUNDARY_TIE >= boundaries).sum(-1)
     differing += int(((codes < lowest) | (codes > highest)).sum())
+    if layout.key_norm_corrected:
+        # The norm is divided by the norm of the stored codes' centroids: where a tie took the other
+        # code, compare with the exact quotient for the codes stored instead of the reference's bytes.
+        c = centroids.double().to(codes.device)[codes]
+        exact_norm = exact.norm(dim=-1).to(codes.device) / torch.sqrt((c * c).sum(-1) + 1e-16)
+        tied = (codes != want_codes).any(-1)
+        exact_bits = exact_norm.to(torch.float16).view(torch.int16).to(torch.int32)
+        norm_bits[1] = torch.where(tied, exact_bits, norm_bits[1])
+    differing += int(((norm_bits[0] - norm_bits[1]).abs() > 1).sum())
     return differing
 
 
