@@ -5,7 +5,8 @@
 
 For each preset (configs/PRESET-d128.yaml and configs/PRESET-d128-planes.yaml)
 and shape, a random slots cache is built once and re-laid into planes with
-`reference.slots_to_pages`. Each layout's module is timed over the launches
+`reference.slots_to_pages` (after `reference.corrected_key_norms`: planes stores the key norms
+norm-corrected). Each layout's module is timed over the launches
 (warps:block_kv:stages) x splits, as CUDA-graph replays against the copy
 ceiling of the same run. The script prints the best launches of each layout
 and the relative difference between the two layouts' outputs.
@@ -67,8 +68,12 @@ def main() -> None:
         for shape in args.shapes:
             batch, context = map(int, shape.split("x"))
             problem = bench.random_problem(slots_module, slots, batch, context, 32, 8, "cuda")
-            caches = {"slots": problem["cache"],
-                      "planes": reference.slots_to_pages(Layout.from_config(planes), problem["cache"])}
+            centroids = planes_module.default_centroids("cuda") if hasattr(planes_module, "default_centroids") else None
+            # A block at a time: the reference unpacks codes to int64.
+            planes_cache = torch.cat([reference.slots_to_pages(Layout.from_config(planes),
+                                                               reference.corrected_key_norms(planes, blocks, centroids))
+                                      for blocks in problem["cache"].split(1024)])
+            caches = {"slots": problem["cache"], "planes": planes_cache}
             workspace = slots_module.DecodeWorkspace(batch, 32, max(args.splits), "cuda")
             nbytes = batch * 8 * context * slots_module.SLOT_BYTES
             outputs = {}

@@ -73,3 +73,16 @@ def test_pack_unpack_round_trip(bits):
     packed = reference.pack_codes(codes, bits)
     assert packed.shape == (5, 96 * bits // 8) and packed.dtype == torch.uint8
     assert torch.equal(reference.unpack_codes(packed, bits, 96), codes)
+
+
+@pytest.mark.parametrize("cache_layout,norm_correction,corrected", [("planes", True, True), ("planes", False, False),
+                                                                      ("slots", True, False)])
+def test_only_planes_with_norm_correction_stores_corrected_norms(cache_layout, norm_correction, corrected):
+    """The key norm field's meaning: "planes" under norm correction stores it divided by the centroid
+    norm, so its readers must not divide again; "slots" (format.md) and uncorrected configs store ||k||."""
+    layout = Layout(128, "mse", 3, 4, 16, cache_layout, norm_correction)
+    assert layout.key_norm_corrected == corrected
+    assert layout.norm_correction_at_decode == (norm_correction and not corrected)
+    names = [name for name, _, _ in layout.fields()]
+    assert ("key norm, corrected (fp16)" in names) == corrected and ("key norm (fp16)" in names) != corrected
+    assert not Layout(128, "fp8", 8, 4, 16, cache_layout, False).key_norm_corrected

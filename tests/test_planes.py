@@ -225,20 +225,17 @@ def test_planes_cache_is_the_slots_cache_relaid(device, build_module, preset):
     _, slots_cache = stored_cache(build_module(slots), slots, [20, 33], device, seed=3)
     kwargs = codebook_kwargs(build_module(planes), planes, device)
     relaid = reference.pages_to_slots(layout, planes_cache.cpu())
-    expected = slots_cache.cpu().clone()
+    # The slots norm (fp16) over its centroid norm, rounded to fp16 once more: within one unit in
+    # the last place of the store's fp32 quotient.
+    centroids = kwargs["centroids"].cpu() if "centroids" in kwargs else None  # fp8 keys: none, and no norms
+    expected = reference.corrected_key_norms(planes, slots_cache.cpu(), centroids)
+    if centroids is not None:  # what the modules tell a reader of their cache
+        assert build_module(planes).KEY_NORM_CORRECTED and not build_module(slots).KEY_NORM_CORRECTED
     if layout.key_norm_corrected:
         norm = slice(layout.key_norm_offset, layout.key_norm_offset + 2)
-        # The slots norm (fp16) over the norm of the same codes' centroids, rounded to fp16 once more:
-        # within one unit in the last place of the store's fp32 quotient.
-        codes = reference.unpack_codes(expected[..., : layout.key_code_bytes], layout.key_bits, 128)
-        centroids = kwargs["centroids"].cpu().double()[codes]
-        plain = expected[..., norm].contiguous().view(torch.float16).squeeze(-1).double()
-        corrected = (plain / torch.sqrt((centroids * centroids).sum(-1) + 1e-16)).to(torch.float16)
-        got_bits = relaid[..., norm].contiguous().view(torch.int16).squeeze(-1).int()
-        want_bits = corrected.view(torch.int16).int()
-        written = plain != 0  # slots never stored keep zero bytes in both caches
-        assert (got_bits - want_bits)[written].abs().max() <= 1
-        assert torch.equal(relaid[..., norm][~written], expected[..., norm][~written])
+        got_bits, want_bits = (rows[..., norm].contiguous().view(torch.int16).squeeze(-1).int()
+                               for rows in (relaid, expected))
+        assert (got_bits - want_bits).abs().max() <= 1
         relaid[..., norm] = expected[..., norm] = 0
     assert torch.equal(relaid, expected)
     query = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(5)).to(device)
@@ -255,6 +252,40 @@ def test_planes_cache_is_the_slots_cache_relaid(device, build_module, preset):
         assert relative_error(want, want_slots) < 1.5e-3
     else:
         assert torch.equal(want, want_slots)  # the same bytes: the same reference
+
+
+def test_a_token_whose_centroids_are_all_zero_stores_the_largest_fp16_norm(device, build_module):
+    """A codebook may hold 0. A key whose every coordinate codes to it has a centroid norm of 0, and
+    its corrected norm would overflow fp16 (decode: 0 * inf = NaN). The store clamps it to 65504:
+    the token then scores 0, and the output stays finite."""
+    config = planes_config("k3v4")
+    module = build_module(config)
+    kwargs = codebook_kwargs(module, config, device)
+    # Code 3's centroid is 0, and its bucket [-0.5, 0.25) holds every coordinate of the first key.
+    kwargs["centroids"] = torch.tensor([-3.0, -2.0, -1.0, 0.0, 0.5, 1.0, 2.0, 3.0], device=device)
+    rotation = kwargs["rotation"].cpu().double()
+    unit = torch.full((128,), 128 ** -0.5, dtype=torch.float64)  # rotated: every coordinate 0.088, code 3
+    key = torch.stack([(2.0 * unit @ rotation.T), torch.randn(128, generator=torch.Generator().manual_seed(1),
+                                                             dtype=torch.float64)]).float()[:, None, :]
+    key = key.expand(2, 2, 128).contiguous().to(device)
+    value = torch.randn(2, 2, 128, generator=torch.Generator().manual_seed(2)).to(device)
+    cache = module.make_cache(1, 2, device)
+    expected = cache.clone()
+    slots = torch.tensor([0, 1], device=device)
+    module.store(key, value, cache, slots, **kwargs)
+    reference.store(config, key, value, expected, slots, kwargs["rotation"], kwargs["centroids"])
+    assert store_differences(config, cache, expected, key, slots, kwargs["rotation"], kwargs["centroids"]) == 0
+    rows = reference.as_slots(config, cache.cpu())[0, 0]  # token 0, both heads
+    layout = Layout.from_config(config)
+    assert torch.all(reference.unpack_codes(rows[:, : layout.key_code_bytes], 3, 128) == 3)
+    norm = rows[:, layout.key_norm_offset: layout.key_norm_offset + 2].contiguous().view(torch.float16)
+    assert torch.all(norm == 65504.0)
+    query = torch.randn(1, 8, 128, generator=torch.Generator().manual_seed(3)).to(device)
+    out = module.decode(query, cache, torch.zeros(1, 1, dtype=torch.int32, device=device),
+                        torch.tensor([2], dtype=torch.int32, device=device), **kwargs)
+    want = reference.decode(config, query, cache, torch.zeros(1, 1, dtype=torch.int32, device=device),
+                            torch.tensor([2], dtype=torch.int32, device=device), **kwargs)
+    assert torch.isfinite(out).all() and relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("preset,head_dim", [(p, 128) for p in sorted(PRESETS)]

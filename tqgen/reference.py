@@ -145,9 +145,8 @@ def encode_slots(config: Config, key: torch.Tensor, value: torch.Tensor,
         boundaries = decision_boundaries(centroids.to(key.device))
         codes = (rotated.unsqueeze(-1) >= boundaries).sum(-1)
         slots[..., : layout.key_code_bytes] = pack_codes(codes, layout.key_bits)
-        if layout.key_norm_corrected:  # fp32, as the store kernel computes it
-            c = centroids.to(device=key.device, dtype=torch.float32)[codes]
-            norm = norm / torch.sqrt((c * c).sum(-1) + 1e-16)
+        if layout.key_norm_corrected:
+            norm = _corrected_norm(norm, centroids.to(device=key.device, dtype=torch.float32)[codes])
         off = layout.key_norm_offset
         slots[..., off: off + 2] = _fp16_bytes(norm)
     v = value.to(torch.float32)
@@ -163,6 +162,31 @@ def encode_slots(config: Config, key: torch.Tensor, value: torch.Tensor,
     slots[..., layout.value_scale_offset: layout.value_scale_offset + 2] = _fp16_bytes(scale)
     slots[..., layout.value_zero_offset: layout.value_zero_offset + 2] = _fp16_bytes(vmin)
     return slots
+
+
+def _corrected_norm(norm: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """norm [...] over the norm of each token's centroids [..., D], in fp32 as the store kernel computes
+    it, at most the largest fp16 (all-zero centroids would overflow: decode would compute 0 * inf)."""
+    c = centroids.to(torch.float32)
+    return torch.clamp_max(norm.to(torch.float32) / torch.sqrt((c * c).sum(-1) + 1e-16), 65504.0)
+
+
+def corrected_key_norms(config: Config, slots: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Slot bytes [..., slot_bytes] with plain key norms (format.md's, as "slots" stores them) -> a copy
+    with each norm divided by the norm of its token's centroids, as "planes" stores them under
+    norm correction (Layout.key_norm_corrected): what `slots_to_pages` needs first to turn a slots
+    cache into a valid planes cache of that config. The fp16 norm is rounded again, so a store into
+    planes may differ from this by one unit in the last place. Unchanged where the layout does not
+    correct norms."""
+    layout = Layout.from_config(config)
+    out = slots.clone()
+    if not layout.key_norm_corrected:
+        return out
+    codes = unpack_codes(slots[..., : layout.key_code_bytes], layout.key_bits, layout.head_dim)
+    off = layout.key_norm_offset
+    norm = _fp16_from_bytes(slots[..., off: off + 2])
+    out[..., off: off + 2] = _fp16_bytes(_corrected_norm(norm, centroids.to(slots.device)[codes]))
+    return out
 
 
 def store(config: Config, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -118,9 +118,9 @@ def code_search(bits: int) -> list[str]:
 def centroid_square_select(bits: int) -> list[str]:
     """Statements that set `centroid_square` to each element's squared centroid from the bits
     `code_search` decided (`code_bit{i}`) and scalars `centroid_square{j}`: a tree of tl.where
-    over the bits, highest (first decided) first, so that each bit is used up as it is decided;
-    2**bits - 1 selects and no memory access, for the store's norm correction. Intermediate
-    values are named (`square{i}_{k}`) to keep each line short."""
+    over the bits, highest (the search's first) first: 2**bits - 1 selects and no memory access,
+    for the store's norm correction. Intermediate values are named (`square{i}_{k}`) to keep
+    each line short."""
     names = [f"centroid_square{j}" for j in range(2**bits)]
     lines = []
     for bit in range(bits - 1, -1, -1):
