@@ -281,10 +281,10 @@ def test_a_token_whose_centroids_are_all_zero_stores_the_largest_fp16_norm(devic
     norm = rows[:, layout.key_norm_offset: layout.key_norm_offset + 2].contiguous().view(torch.float16)
     assert torch.all(norm == 65504.0)
     query = torch.randn(1, 8, 128, generator=torch.Generator().manual_seed(3)).to(device)
-    out = module.decode(query, cache, torch.zeros(1, 1, dtype=torch.int32, device=device),
-                        torch.tensor([2], dtype=torch.int32, device=device), **kwargs)
-    want = reference.decode(config, query, cache, torch.zeros(1, 1, dtype=torch.int32, device=device),
-                            torch.tensor([2], dtype=torch.int32, device=device), **kwargs)
+    block_table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([2], dtype=torch.int32, device=device)
+    out = module.decode(query, cache, block_table, seq_lens, **kwargs)
+    want = reference.decode(config, query, cache, block_table, seq_lens, **kwargs)
     assert torch.isfinite(out).all() and relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
 
 

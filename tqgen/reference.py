@@ -146,7 +146,7 @@ def encode_slots(config: Config, key: torch.Tensor, value: torch.Tensor,
         codes = (rotated.unsqueeze(-1) >= boundaries).sum(-1)
         slots[..., : layout.key_code_bytes] = pack_codes(codes, layout.key_bits)
         if layout.key_norm_corrected:
-            norm = _corrected_norm(norm, centroids.to(device=key.device, dtype=torch.float32)[codes])
+            norm = corrected_norm(norm, centroids.to(key.device)[codes])
         off = layout.key_norm_offset
         slots[..., off: off + 2] = _fp16_bytes(norm)
     v = value.to(torch.float32)
@@ -164,11 +164,12 @@ def encode_slots(config: Config, key: torch.Tensor, value: torch.Tensor,
     return slots
 
 
-def _corrected_norm(norm: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """norm [...] over the norm of each token's centroids [..., D], in fp32 as the store kernel computes
-    it, at most the largest fp16 (all-zero centroids would overflow: decode would compute 0 * inf)."""
-    c = centroids.to(torch.float32)
-    return torch.clamp_max(norm.to(torch.float32) / torch.sqrt((c * c).sum(-1) + 1e-16), 65504.0)
+def corrected_norm(norm: torch.Tensor, centroids: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """norm [...] over the norm of each token's centroids [..., D], in fp32 by default as the store
+    kernel computes it, at most the largest fp16 (all-zero centroids would overflow: decode would
+    compute 0 * inf)."""
+    c = centroids.to(dtype)
+    return torch.clamp_max(norm.to(dtype) / torch.sqrt((c * c).sum(-1) + 1e-16), 65504.0)
 
 
 def corrected_key_norms(config: Config, slots: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -185,7 +186,7 @@ def corrected_key_norms(config: Config, slots: torch.Tensor, centroids: torch.Te
     codes = unpack_codes(slots[..., : layout.key_code_bytes], layout.key_bits, layout.head_dim)
     off = layout.key_norm_offset
     norm = _fp16_from_bytes(slots[..., off: off + 2])
-    out[..., off: off + 2] = _fp16_bytes(_corrected_norm(norm, centroids.to(slots.device)[codes]))
+    out[..., off: off + 2] = _fp16_bytes(corrected_norm(norm, centroids.to(slots.device)[codes]))
     return out
 
 

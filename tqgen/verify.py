@@ -72,9 +72,8 @@ def store_differences(config: Config, cache: torch.Tensor, expected: torch.Tenso
     if layout.key_norm_corrected:
         # The norm is divided by the norm of the stored codes' centroids: where a tie took the other
         # code, compare with the exact quotient for the codes stored instead of the reference's bytes.
-        c = centroids.double().to(codes.device)[codes]
-        exact_norm = exact.norm(dim=-1).to(codes.device) / torch.sqrt((c * c).sum(-1) + 1e-16)
-        exact_norm = torch.clamp_max(exact_norm, 65504.0)  # as the store clamps it
+        exact_norm = reference.corrected_norm(exact.norm(dim=-1).to(codes.device), centroids.to(codes.device)[codes],
+                                              dtype=torch.float64)
         tied = (codes != want_codes).any(-1)
         exact_bits = exact_norm.to(torch.float16).view(torch.int16).to(torch.int32)
         norm_bits[1] = torch.where(tied, exact_bits, norm_bits[1])
