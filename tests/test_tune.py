@@ -192,6 +192,27 @@ def test_a_wrong_candidate_is_rejected_not_picked(setup, tmp_path, monkeypatch):
     assert entry["best"]["num_splits"] == 1
 
 
+def test_each_bucket_is_checked_on_the_same_seeded_data_without_touching_the_global_rng(setup, monkeypatch):
+    config, module = setup
+    seen = []
+    original = module.decode
+
+    def recording(query, cache, *args, **kwargs):
+        seen.append((query.clone(), cache.clone()))
+        return original(query, cache, *args, **kwargs)
+
+    monkeypatch.setattr(module, "decode", recording)
+    one_launch = tune.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(1,))
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    for _ in range(2):
+        tune.tune_bucket(module, config, 2, 1, 100, one_launch, timer=cpu_timer, num_kv_heads=1, device="cpu")
+    assert torch.equal(torch.get_rng_state(), state)
+    assert len(seen) == 6  # per run: the check, the warm-up and the timed call on the full problem
+    for (query, cache), (query_again, cache_again) in zip(seen[:3], seen[3:]):
+        assert torch.equal(query, query_again) and torch.equal(cache, cache_again)
+
+
 def _save_many(path, metadata, worker):
     for i in range(15):
         tuned.save_bucket(path, metadata, f"g{worker}_b{i + 1}_t256",
@@ -216,7 +237,8 @@ def test_concurrent_tuners_keep_each_others_buckets(setup, tmp_path):
 
 def _tune_in_process(root, module_dir, buckets):
     config = make_config("k3v4", head_dim=64)
-    run_tune((config, emit.load(config, module_dir)), root, buckets=buckets)
+    # Progress goes to this process's stdout, so a failure shows which candidate failed and why.
+    run_tune((config, emit.load(config, module_dir)), root, buckets=buckets, progress=print)
 
 
 def test_two_tuner_processes_on_one_config_both_finish(tmp_path):

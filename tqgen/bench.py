@@ -77,17 +77,19 @@ def copy_ceiling_gbps(device="cuda", nbytes: int = 2 << 30) -> float:
     return _gbps(2 * nbytes, ms)
 
 
-def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_heads: int, device) -> torch.Tensor:
+def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_heads: int, device,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
     """A random cache in the config's layout, with plausible fields: fp16 norm/scale/zero in range, fp8 keys of N(0, 1) keys.
 
     Random fp8 bytes would give keys up to 240 and softmax weights so peaked that
-    fp16 rounding of the query alone exceeds the tuner's tolerance.
+    fp16 rounding of the query alone exceeds the tuner's tolerance. `generator`
+    (on `device`) makes the cache reproducible; None draws from torch's global one.
     """
     cache = torch.randint(0, 256, (num_blocks, config.block_size, num_kv_heads, module.SLOT_BYTES),
-                          dtype=torch.uint8, device=device)
+                          dtype=torch.uint8, device=device, generator=generator)
 
     def put_fp16(offset: int, low: float, high: float) -> None:
-        values = torch.empty(cache.shape[:3], device=device).uniform_(low, high).half()
+        values = torch.empty(cache.shape[:3], device=device).uniform_(low, high, generator=generator).half()
         bits = values.view(torch.int16).to(torch.int32) & 0xFFFF
         cache[..., offset] = (bits & 0xFF).to(torch.uint8)
         cache[..., offset + 1] = (bits >> 8).to(torch.uint8)
@@ -97,7 +99,7 @@ def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_hea
     if config.key_format == "mse":
         put_fp16(module.KEY_NORM_OFFSET, 5.0, 20.0)
     else:
-        keys = torch.randn(*cache.shape[:3], config.head_dim, device=device)
+        keys = torch.randn(*cache.shape[:3], config.head_dim, device=device, generator=generator)
         cache[..., : config.head_dim] = keys.to(torch.float8_e4m3fn).view(torch.uint8)
     layout = Layout.from_config(config)
     if not layout.planes:
@@ -107,15 +109,19 @@ def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_hea
 
 
 def random_problem(module: ModuleType, config: Config, batch: int, context: int, num_q_heads: int,
-                   num_kv_heads: int, device) -> dict:
-    """A full-length decode batch over a random cache in shuffled blocks: cache, block_table, seq_lens, query."""
+                   num_kv_heads: int, device, generator: torch.Generator | None = None) -> dict:
+    """A full-length decode batch over a random cache in shuffled blocks: cache, block_table, seq_lens, query.
+
+    `generator` (on `device`) makes the problem reproducible; None draws from torch's global one.
+    """
     blocks_per_seq = -(-context // config.block_size)
     return {
-        "cache": random_cache(module, config, batch * blocks_per_seq, num_kv_heads, device),
-        "block_table": torch.randperm(batch * blocks_per_seq, device=device).to(torch.int32)
+        "cache": random_cache(module, config, batch * blocks_per_seq, num_kv_heads, device, generator),
+        "block_table": torch.randperm(batch * blocks_per_seq, device=device, generator=generator).to(torch.int32)
                             .view(batch, blocks_per_seq),
         "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=device),
-        "query": torch.randn(batch, num_q_heads, config.head_dim, dtype=torch.float16, device=device),
+        "query": torch.randn(batch, num_q_heads, config.head_dim, dtype=torch.float16, device=device,
+                             generator=generator),
     }
 
 

@@ -4,7 +4,9 @@ For each bucket (query heads per KV head, batch, context) the tuner times
 every candidate launch (BLOCK_KV, num_warps, num_stages, split count) as a
 whole decode call (the split count changes stage 2 too), after checking that
 candidate's output against the float64 reference on a reduced copy of the
-problem (at most 2 sequences of at most 2048 tokens). Candidates that fail
+problem (at most 2 sequences of at most 2048 tokens). The problem is drawn
+from a fixed seed (PROBLEM_SEED), so re-runs time and check the same data,
+and the caller's random state is left alone. Candidates that fail
 to compile or differ from the reference are recorded as rejected. Each
 finished bucket is saved at once (tuned.save_bucket: lock, merge, atomic
 replace), so a killed run keeps what it finished and a re-run resumes.
@@ -30,6 +32,12 @@ from .testing import codebook_kwargs, relative_error
 from .verify import DECODE_TOLERANCE
 
 CHECK_BATCH, CHECK_CONTEXT = 2, 2048
+# Every bucket is timed and checked on data drawn from this seed, so a tune is reproducible. The
+# check's relative error depends on the data (where the softmax-weighted mean of the values nearly
+# cancels, the same absolute error is a larger fraction of a smaller norm): over 300 fresh draws of
+# k3v4 at head_dim 64, batch 1 x 256 tokens, it reached 1.08e-3 of the 1.5e-3 limit, and a CI run
+# on fresh draws once rejected every candidate of that bucket.
+PROBLEM_SEED = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +63,9 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
                 space: SearchSpace, *, timer: Callable, num_kv_heads: int = 8, device="cuda") -> dict:
     """Time every candidate of one bucket; returns the bucket's entry for the tuned file."""
     started = time.monotonic()
-    problem = random_problem(module, config, batch, context, num_kv_heads * group_size, num_kv_heads, device)
+    generator = torch.Generator(device=device).manual_seed(PROBLEM_SEED)
+    problem = random_problem(module, config, batch, context, num_kv_heads * group_size, num_kv_heads, device,
+                             generator)
     codebook = codebook_kwargs(module, device)
     # The check reads a copy of the blocks its sequences use (the reference converts the whole cache
     # it is given: a planes cache at 32 x 65536 would take tens of GB).
