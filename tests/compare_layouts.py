@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tqgen  # noqa: E402
 from tqgen import bench, config as config_mod, reference  # noqa: E402
 from tqgen.layout import Layout  # noqa: E402
+from tqgen.testing import codebook_kwargs  # noqa: E402
 
 FIELDS = ("num_warps", "block_kv", "num_stages")
 
@@ -65,10 +66,10 @@ def main() -> None:
         slots = config_mod.resolve_arch(config_mod.load(f"configs/{preset}-d128.yaml"))
         planes = config_mod.resolve_arch(config_mod.load(f"configs/{preset}-d128-planes.yaml"))
         slots_module, planes_module = tqgen.load(slots), tqgen.load(planes)
+        centroids = codebook_kwargs(planes_module, "cuda").get("centroids")  # fp8 keys: none
         for shape in args.shapes:
             batch, context = map(int, shape.split("x"))
             problem = bench.random_problem(slots_module, slots, batch, context, 32, 8, "cuda")
-            centroids = planes_module.default_centroids("cuda") if hasattr(planes_module, "default_centroids") else None
             # A block at a time: the reference unpacks codes to int64.
             planes_cache = torch.cat([reference.slots_to_pages(Layout.from_config(planes),
                                                                reference.corrected_key_norms(planes, blocks, centroids))

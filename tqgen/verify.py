@@ -51,8 +51,7 @@ def store_differences(config: Config, cache: torch.Tensor, expected: torch.Tenso
     slots = slot_mapping[written].to(torch.int64)
     where = (slots // layout.page_size, slots % layout.page_size)
     got_rows, want_rows = got[where], want[where]  # [tokens, heads, slot_bytes]: copies
-    codes, want_codes = (reference.unpack_codes(rows[..., : layout.key_code_bytes], layout.key_bits, config.head_dim)
-                         for rows in (got_rows, want_rows))
+    codes = reference.unpack_codes(got_rows[..., : layout.key_code_bytes], layout.key_bits, config.head_dim)
     norm = slice(layout.key_norm_offset, layout.key_norm_offset + 2)
     norm_bits = [rows[..., norm].contiguous().view(torch.int16).squeeze(-1).to(torch.int32)
                  for rows in (got_rows, want_rows)]
@@ -63,7 +62,8 @@ def store_differences(config: Config, cache: torch.Tensor, expected: torch.Tenso
     differing = int((got != want).sum())  # every other byte must be equal
 
     exact = key[written].double()
-    unit = exact / (exact.norm(dim=-1, keepdim=True) + 1e-8)
+    exact_norm = exact.norm(dim=-1)
+    unit = exact / (exact_norm[..., None] + 1e-8)
     rotated = (unit @ rotation.double().to(unit.device)).unsqueeze(-1).to(codes.device)
     boundaries = reference.decision_boundaries(centroids).double().to(codes.device)
     lowest = (rotated - BOUNDARY_TIE >= boundaries).sum(-1)  # the code of each side of a tie
@@ -72,10 +72,11 @@ def store_differences(config: Config, cache: torch.Tensor, expected: torch.Tenso
     if layout.key_norm_corrected:
         # The norm is divided by the norm of the stored codes' centroids: where a tie took the other
         # code, compare with the exact quotient for the codes stored instead of the reference's bytes.
-        exact_norm = reference.corrected_norm(exact.norm(dim=-1).to(codes.device), centroids.to(codes.device)[codes],
-                                              dtype=torch.float64)
+        corrected = reference.corrected_norm(exact_norm.to(codes.device), centroids.to(codes.device)[codes],
+                                             dtype=torch.float64)
+        want_codes = reference.unpack_codes(want_rows[..., : layout.key_code_bytes], layout.key_bits, config.head_dim)
         tied = (codes != want_codes).any(-1)
-        exact_bits = exact_norm.to(torch.float16).view(torch.int16).to(torch.int32)
+        exact_bits = corrected.to(torch.float16).view(torch.int16).to(torch.int32)
         norm_bits[1] = torch.where(tied, exact_bits, norm_bits[1])
     differing += int(((norm_bits[0] - norm_bits[1]).abs() > 1).sum())
     return differing
