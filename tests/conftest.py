@@ -21,7 +21,8 @@ from tqgen import config as config_mod  # noqa: E402
 from tqgen import testing  # noqa: E402
 from tqgen import reference  # noqa: E402
 from tqgen.testing import relative_error  # noqa: E402
-from tqgen.verify import DECODE_TOLERANCE  # noqa: E402
+from tqgen.testing import DECODE_TOLERANCE  # noqa: E402
+from tqgen.layout import Layout  # noqa: E402
 
 DEVICES = [
     pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU kernels need TRITON_INTERPRET=1")),
@@ -92,7 +93,7 @@ def check_decode(module, config, device, seq_lens, num_kv_heads=2, group_size=4,
         query = query.permute(2, 1, 0).contiguous().permute(2, 1, 0)
         assert query.stride(2) != 1
     out = module.decode(query, cache, batch.block_table, batch.seq_lens, **kwargs, **launch)
-    want = reference.decode(config, query, cache, batch.block_table, batch.seq_lens,
+    want = reference.decode(Layout.from_config(config), query, cache, batch.block_table, batch.seq_lens,
                             kwargs.get("rotation"), kwargs.get("centroids"))
     assert out.dtype == dtype and out.shape == want.shape
     assert torch.isfinite(out).all()
@@ -115,3 +116,25 @@ class KernelRecorder:
             if self.kernel is not None:
                 self.kernel[grid](*args, **kwargs)
         return launch
+
+
+# --- the page-planar layout's configs -----------------------------------------------
+def planes_config(preset, head_dim=128, **overrides):
+    return make_config(preset, head_dim=head_dim, cache_layout="planes", **overrides)
+
+
+ODD_FORMATS = [  # record sizes that are not multiples of 16 bytes: narrower loads, other hints
+    dict(key_format="mse", key_bits=4, value_bits=8, head_dim=72, block_size=8),
+    dict(key_format="mse", key_bits=2, value_bits=2, head_dim=88),
+    dict(key_format="fp8", value_bits=4, head_dim=200),
+]
+
+
+def planes_config_of(spec):
+    if isinstance(spec, str):
+        preset, head_dim = spec.split("-d")
+        return planes_config(preset, int(head_dim))
+    return config_mod.resolve_arch(config_mod.from_mapping(dict(spec, cache_layout="planes")))
+
+
+KERNEL_FORMATS = [f"{p}-d128" for p in sorted(PRESETS)] + ["k3v4-d96", "k4v4-d64", "k3v4-d256"] + ODD_FORMATS

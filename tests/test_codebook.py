@@ -8,7 +8,7 @@ import torch
 from conftest import make_config
 from tqgen import codebook
 
-# format.md's standard-normal Lloyd-Max levels (positive half, 4 decimals).
+# docs/format.md's standard-normal Lloyd-Max levels (positive half, 4 decimals).
 FORMAT_MD_LEVELS = {
     1: [0.7979],
     2: [0.4528, 1.5104],

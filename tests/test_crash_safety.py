@@ -1,6 +1,6 @@
 """Module files survive failed writes, killed writers and concurrent builds.
 
-`emit.write_atomic` writes a temp file in the target's folder, fsyncs it and
+`files.write_atomic` writes a temp file in the target's folder, fsyncs it and
 renames it over the target, so a reader only ever sees the old file or the
 new one. Checked here with failures injected in the write (monkeypatched),
 with real writer processes killed by SIGKILL at random moments, and with
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tqgen import emit
+from tqgen import emit, files
 from tqgen.errors import TqgenError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,13 +93,13 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temp_files(tmp_path, monk
     before = target.stat()
     FAILURES[failure](monkeypatch)
     with pytest.raises(BaseException) as caught:
-        emit.write_atomic(target, NEW)
+        files.write_atomic(target, NEW)
     monkeypatch.undo()
     assert isinstance(caught.value, (OSError, KeyboardInterrupt))
     assert target.read_bytes() == OLD
     assert target.stat().st_mtime_ns == before.st_mtime_ns and target.stat().st_ino == before.st_ino
     assert stray_files(tmp_path, {target.name}) == []
-    assert emit.write_atomic(target, NEW) and target.read_bytes() == NEW  # and the next write works
+    assert files.write_atomic(target, NEW) and target.read_bytes() == NEW  # and the next write works
 
 
 @pytest.mark.parametrize("failure", ["replace_fails", "write_fails_half_way"])
@@ -107,7 +107,7 @@ def test_failed_write_of_a_new_file_creates_nothing(tmp_path, monkeypatch, failu
     target = tmp_path / "sub" / "tq_module.py"
     FAILURES[failure](monkeypatch)
     with pytest.raises(OSError):
-        emit.write_atomic(target, NEW)
+        files.write_atomic(target, NEW)
     monkeypatch.undo()
     assert not target.exists()
     assert stray_files(target.parent, set()) == []
@@ -129,9 +129,9 @@ def test_build_reports_a_failed_write_as_one_line_and_keeps_the_old_module(tmp_p
 
 def test_unchanged_bytes_are_not_rewritten(tmp_path):
     target = tmp_path / "tq_module.py"
-    assert emit.write_atomic(target, NEW) is True
+    assert files.write_atomic(target, NEW) is True
     inode = target.stat().st_ino
-    assert emit.write_atomic(target, NEW) is False
+    assert files.write_atomic(target, NEW) is False
     assert target.stat().st_ino == inode and stray_files(tmp_path, {target.name}) == []
 
 
@@ -141,7 +141,7 @@ def test_unchanged_bytes_are_not_rewritten(tmp_path):
 WRITER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from tqgen.emit import write_atomic
+    from tqgen.files import write_atomic
     target, sources = Path(sys.argv[1]), [Path(p).read_bytes() for p in sys.argv[2:]]
     i = 0
     while True:
@@ -214,12 +214,12 @@ def test_sigkill_while_writing_never_leaves_a_partial_file(tmp_path, sources):
 WRITER_STUCK_IN_FSYNC = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from tqgen import emit
+    from tqgen import files
     def stuck(fd):
         print("in fsync", flush=True)
         time.sleep(600)
     os.fsync = stuck
-    emit.write_atomic(Path(sys.argv[1]), Path(sys.argv[2]).read_bytes()[: int(sys.argv[3])])
+    files.write_atomic(Path(sys.argv[1]), Path(sys.argv[2]).read_bytes()[: int(sys.argv[3])])
 """)
 
 

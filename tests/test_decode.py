@@ -1,14 +1,16 @@
 """Decode (stage 1 + stage 2) against the float64 reference of the same quantized cache."""
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import PRESETS, check_decode, codebook_kwargs, make_config, stored_cache
-from tqgen import config as config_mod, layout, tune
+from conftest import (ODD_FORMATS, PRESETS, KernelRecorder, check_decode, codebook_kwargs, make_config, planes_config,
+                      planes_config_of, stored_cache)
+from tqgen import config as config_mod, layout, render, tuner
+from tqgen.layout import Layout
 from tqgen.testing import relative_error
-
 
 def _decode_inputs(module, config, seq_lens, device, query_seed, cache_seed=0):
     """A filled cache over 2 KV heads, a query of 8 heads, and the module's codebook arguments."""
@@ -18,29 +20,36 @@ def _decode_inputs(module, config, seq_lens, device, query_seed, cache_seed=0):
     return batch, cache, query, codebook_kwargs(module, config, device)
 
 
+@pytest.mark.parametrize("cache_layout", ["slots", "planes"])
 @pytest.mark.parametrize("preset,head_dim", [(p, 128) for p in sorted(PRESETS)]
                          + [("k3v4", 96), ("k8v4", 96), ("k4v4", 64), ("k3v3", 64)])
-def test_presets_and_head_dims(device, build_module, preset, head_dim):
-    config = make_config(preset, head_dim=head_dim)
-    check_decode(build_module(config), config, device, [1, 15, 17, 300])
+def test_presets_and_head_dims(device, build_module, preset, head_dim, cache_layout):
+    config = make_config(preset, head_dim=head_dim, cache_layout=cache_layout)
+    check_decode(build_module(config), config, device, [1, 15, 17, 300, 0])
 
 
-@pytest.mark.parametrize("fields,head_dim", [
-    (dict(key_format="mse", key_bits=2, value_bits=2), 128),
-    (dict(key_format="mse", key_bits=4, value_bits=8), 128),
-    (dict(key_format="fp8", value_bits=8), 96),
-    (dict(key_format="mse", key_bits=3, value_bits=2), 64),
+@pytest.mark.parametrize("fields,head_dim,cache_layout", [
+    (dict(key_format="mse", key_bits=2, value_bits=2), 128, "slots"),
+    (dict(key_format="mse", key_bits=4, value_bits=8), 128, "slots"),
+    (dict(key_format="fp8", value_bits=8), 96, "slots"),
+    (dict(key_format="mse", key_bits=3, value_bits=2), 64, "slots"),
     # head_dim / 8 odd with 3-bit codes: fields at odd bytes, so the byte-load path.
-    (dict(key_format="mse", key_bits=3, value_bits=4), 72),
-    (dict(key_format="mse", key_bits=4, value_bits=3), 72),
+    (dict(key_format="mse", key_bits=3, value_bits=4), 72, "slots"),
+    (dict(key_format="mse", key_bits=4, value_bits=3), 72, "slots"),
+    (dict(key_format="mse", key_bits=2, value_bits=2), 64, "planes"),
+    (dict(key_format="mse", key_bits=4, value_bits=8), 64, "planes"),
+    (dict(key_format="fp8", value_bits=3), 64, "planes"),
 ])
-def test_other_bit_widths_and_load_paths(device, build_module, fields, head_dim):
-    config = config_mod.resolve_arch(config_mod.from_mapping(dict(fields, head_dim=head_dim), "<test>"))
-    aligned = layout.Layout.from_config(config).halfword_aligned
-    assert aligned == (head_dim != 72)
+def test_other_bit_widths_and_load_paths(device, build_module, fields, head_dim, cache_layout):
+    config = config_mod.resolve_arch(config_mod.from_mapping(dict(fields, head_dim=head_dim,
+                                                                  cache_layout=cache_layout), "<test>"))
     module = build_module(config)
-    assert ("_load_u16(" in Path(module.__file__).read_text()) == aligned  # the templates follow the layout
-    check_decode(module, config, device, [1, 17, 40])
+    if cache_layout == "slots":
+        aligned = layout.Layout.from_config(config).halfword_aligned
+        assert aligned == (head_dim != 72)
+        assert ("_load_u16(" in Path(module.__file__).read_text()) == aligned  # the templates follow the layout
+    seq_lens = [1, 17, 40] if cache_layout == "slots" else [9, 40]
+    check_decode(module, config, device, seq_lens)
 
 
 def test_byte_load_layouts_accept_a_cache_at_an_odd_address(device, build_module):
@@ -72,7 +81,7 @@ def test_splits_and_page_sizes_on_ragged_batches(device, build_module, block_siz
                   num_splits=num_splits)
 
 
-TUNER_SPACE = tune.SearchSpace()  # every launch `tqgen tune` can pick by default (splits vary elsewhere)
+TUNER_SPACE = tuner.SearchSpace()  # every launch `tqgen tune` can pick by default (splits vary elsewhere)
 
 
 @pytest.mark.parametrize("preset", ["k3v3", "k8v4"])
@@ -189,3 +198,124 @@ def test_empty_batch(device, build_module):
                         torch.zeros(0, 1, dtype=torch.int32, device=device),
                         torch.zeros(0, dtype=torch.int32, device=device))
     assert out.shape == (0, 4, 128)
+
+
+# --- the page-planar layout ("planes") ---------------------------------------------------------
+@pytest.mark.parametrize("preset,layout", [("k3v4", "planes"), ("k8v4", "planes"), ("k3v4", "slots"), ("k8v4", "slots")])
+def test_who_prepares_the_query(preset, layout):
+    """Both layouts prepare the query in Triton and no torch op runs before stage 1. Stage 1 scales
+    it for fp8 keys; for MSE keys in the planes layout it also rotates it (a Walsh-Hadamard
+    transform) when the rotation is the config's Hadamard, and tq_prepare_query does the rest."""
+    source = render.render(make_config(preset, cache_layout=layout))
+    decode = source.split("\ndef decode(")[1].split("\ndef ")[0]
+    stage1_arguments = source.split("def tq_decode_stage1(")[1].split("):")[0]
+    assert ("def tq_prepare_query(" in source) == (preset == "k3v4")
+    assert "query.to(torch.float32)" not in decode  # the torch ops that ran before stage 1
+    assert ("score_scale," in stage1_arguments) == (preset == "k8v4" or layout == "planes")
+    assert ("ROTATE_QUERY" in stage1_arguments) == (preset == "k3v4" and layout == "planes")
+
+
+@pytest.mark.parametrize("preset,head_dim", [("k8v4", 128), ("k3v4", 128), ("k3v4", 96), ("k4v4", 72), ("k4v4", 256)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_decode_reads_a_query_of_any_float_dtype_and_strides(device, build_module, preset, head_dim, dtype):
+    """Modules read the caller's query in Triton (stage 1 scales it for fp8 keys;
+    tq_prepare_query rotates it for MSE keys, 16 rows x 16 head dims per program, so 24 rows
+    leave a partial row block, 96 and 72 head dims a masked inner step and 72 a partial column block)."""
+    config = planes_config(preset, head_dim)
+    check_decode(build_module(config), config, device, [40, 9, 17], dtype=dtype, strided_query=True)
+
+
+@pytest.mark.parametrize("rotation,batch,dtype", [("default", "small", torch.float32), ("default", "small", torch.bfloat16),
+                                                 ("default", "large", torch.float32), ("copy", "small", torch.float32),
+                                                 ("random", "small", torch.float32)])
+def test_decode_rotates_the_query_in_stage1_or_in_its_own_kernel(device, build_module, rotation, batch, dtype,
+                                                                 monkeypatch):
+    """Up to _ROTATE_QUERY_MAX_BATCH sequences the default rotation (the very tensor
+    default_rotation returns) is applied by stage 1's Walsh-Hadamard transform; a larger batch or
+    any other tensor, even an equal copy, takes tq_prepare_query. Each matches the reference, and
+    the two paths agree to the fp16 rounding of the prepared query."""
+    config = planes_config("k3v4", 128)
+    module = build_module(config)
+    limit = module._ROTATE_QUERY_MAX_BATCH  # 1 where the Gluon kernel takes larger batches
+    seq_lens = [40, 9, 17][:limit] if batch == "small" else [9, 1, 17] * (limit // 3 + 1)
+    assert (len(seq_lens) <= limit) == (batch == "small")
+    kwargs = codebook_kwargs(module, config, device)
+    if rotation == "copy":
+        kwargs["rotation"] = kwargs["rotation"].clone()
+    elif rotation == "random":
+        kwargs["rotation"] = torch.linalg.qr(torch.randn(128, 128, generator=torch.Generator().manual_seed(7)))[0].to(device)
+    prepare = KernelRecorder(module.tq_prepare_query)
+    monkeypatch.setattr(module, "tq_prepare_query", prepare)
+    out = check_decode(module, config, device, seq_lens, dtype=dtype, codebook=kwargs, strided_query=True)
+    assert len(prepare.launches) == (0 if rotation == "default" and batch == "small" else 1)
+    if rotation == "copy":
+        kwargs["rotation"] = module.default_rotation(device)
+        in_stage1 = check_decode(module, config, device, seq_lens, codebook=kwargs, strided_query=True)
+        assert relative_error(in_stage1, out) < 5e-4
+
+
+@pytest.mark.parametrize("layout", ["slots", "planes"])
+def test_stage2_ignores_what_empty_splits_left_in_the_workspace(device, build_module, layout):
+    """Stage 2 (both layouts) loads every split's partial output before it knows which splits are
+    empty; an empty split's output is whatever the workspace held (NaN here) and must not leak."""
+    config = make_config("k3v4", cache_layout=layout)
+    module = build_module(config)
+    workspace = module.DecodeWorkspace(max_batch=3, num_q_heads=8, max_splits=16, device=device)
+    workspace.partial_out.fill_(float("nan"))
+    out = check_decode(module, config, device, [5, 0, 70], workspace=workspace, num_splits=16)
+    assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("key_bits", [2, 3, 4])
+def test_decode_with_an_unsorted_asymmetric_codebook(device, build_module, key_bits):
+    """The register byte tables come from the centroids passed, whatever their order and signs
+    (the default codebook is sorted and symmetric): decode with a shuffled one. The store
+    assumes sorted centroids, so these codes quantize badly; decode must still look up
+    exactly the entries the reference does."""
+    config = planes_config("k4v4", key_bits=key_bits)
+    module = build_module(config)
+    generator = torch.Generator().manual_seed(key_bits)
+    count = 2 ** key_bits
+    centroids = (torch.randn(count, generator=generator) * 0.3 / math.sqrt(128))[torch.randperm(count, generator=generator)]
+    centroids[count // 2] = 0.0
+    codebook = dict(rotation=module.default_rotation(device), centroids=centroids.to(device))
+    check_decode(module, config, device, [5, 40], seed=key_bits, codebook=codebook)
+
+
+@pytest.mark.parametrize("spec", ODD_FORMATS, ids=str)
+def test_decode_with_records_not_multiples_of_16_bytes(device, build_module, spec):
+    config = planes_config_of(spec)
+    check_decode(build_module(config), config, device, [1, 23, 70])
+
+
+# Every launch `tqgen tune` can pick by default, plus the stage counts of the heuristic.
+LAUNCH_GRID = sorted({(c["block_kv"], c["num_warps"], c["num_stages"]) for c in tuner.SearchSpace().candidates()}
+                     | {(32, 1, 2), (64, 2, 3)})
+
+
+@pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
+@pytest.mark.parametrize("block_kv,num_warps,num_stages", LAUNCH_GRID)
+def test_launch_parameters(device, build_module, preset, block_kv, num_warps, num_stages):
+    config = planes_config(preset)
+    check_decode(build_module(config), config, device, [5, 200], block_kv=block_kv, num_warps=num_warps,
+                  num_stages=num_stages, num_splits=3)
+
+
+@pytest.mark.parametrize("block_kv,num_warps,num_stages", LAUNCH_GRID)
+def test_launch_parameters_with_the_query_from_tq_prepare_query(device, build_module, block_kv, num_warps, num_stages):
+    """The same launches over stage 1's other specialization (ROTATE_QUERY off, the query from
+    tq_prepare_query), which batches above _ROTATE_QUERY_MAX_BATCH take: forced here by a copy of
+    the default rotation."""
+    config = planes_config("k3v4")
+    module = build_module(config)
+    codebook = codebook_kwargs(module, config, device)
+    codebook["rotation"] = codebook["rotation"].clone()
+    check_decode(module, config, device, [5, 200], codebook=codebook, block_kv=block_kv, num_warps=num_warps,
+                  num_stages=num_stages, num_splits=3)
+
+
+@pytest.mark.parametrize("block_size", [8, 64])
+def test_page_sizes(device, build_module, block_size):
+    config = planes_config("k3v4", block_size=block_size)
+    check_decode(build_module(config), config, device, [1, block_size - 1, block_size + 1, 130],
+                  num_splits=2)

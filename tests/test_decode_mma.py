@@ -1,4 +1,4 @@
-"""Decode stage 1 on mma.sync (the Gluon kernel, templates/decode_stage1_mma.py.jinja).
+"""Decode stage 1 on mma.sync (the Gluon kernel, templates/decode/stage1_mma.py.jinja).
 
 Triton's interpreter cannot run Gluon, so on the CPU these tests check what can be checked
 without a GPU: which configs get the kernel, that every launch the tuner can pick compiles
@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA, PRESETS, KernelRecorder, check_decode, codebook_kwargs, make_config
-from tqgen import reference, render, tune
+from tqgen import reference, render, tuner
 from tqgen.layout import Layout
+from tqgen.plan import Plan
 from tqgen.testing import relative_error
-from tqgen.verify import DECODE_TOLERANCE
+from tqgen.testing import DECODE_TOLERANCE
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,7 +59,7 @@ def test_the_kernel_is_rendered_for_planes_configs_at_power_of_two_head_dims(fie
     fields = dict(fields)
     config = make_config(fields.pop("preset"), **{"cache_layout": "planes", **fields})
     source = render.render(config)
-    assert render.mma_stage1(Layout.from_config(config), config.arch) == expected
+    assert Plan.from_config(config).mma_stage1 == expected
     assert ("def tq_decode_stage1_mma(" in source) == expected
     assert "def tq_decode_stage1(" in source  # the tl.dot kernel stays, for everything else
 
@@ -116,7 +117,7 @@ def test_tile_layouts_give_each_lane_the_units_the_kernel_assumes(build_module, 
 # --- compiles, and moves nothing through shared memory ----------------------------
 COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correction)
     *[(preset, 128, 16, kv, 4, True) for preset in ("k3v4", "k3v3", "k8v4")
-      for kv in sorted(set(tune.SearchSpace().block_kv) | {32, 64})],
+      for kv in sorted(set(tuner.SearchSpace().block_kv) | {32, 64})],
     ("k4v4", 128, 16, 64, 4, True), ("k3v4", 128, 16, 64, 8, True), ("k3v4", 128, 16, 32, 16, True),
     ("k3v4", 128, 16, 32, 1, True), ("k3v4", 64, 8, 32, 4, True), ("k4v4", 256, 16, 32, 4, True),
     ("k3v4", 128, 64, 32, 4, False), ("k3v3", 256, 16, 32, 4, True), ("k3v3", 128, 16, 64, 16, True),
@@ -129,7 +130,7 @@ COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correct
 # triton's compiler refuses, so the kernels are compiled in a process of their own, without it.
 _COMPILE_SCRIPT = """
 import json, os, sys, tempfile
-sys.path[:0] = [os.path.join(os.getcwd(), "tests"), os.getcwd()]
+sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
 import ptx_probe, tqgen
 from tqgen import config as config_mod
 presets, cases = json.loads(sys.argv[1])
@@ -245,9 +246,9 @@ MMA_CASES = [  # (preset, head_dim, page, block_kv, group_size, num_splits)
                                      ("k3v4", 128, 8), ("k3v4", 128, 64), ("k3v3", 128, 16), ("k3v3", 256, 16),
                                      ("k3v3", 128, 8), ("k8v4", 128, 16), ("k8v4", 64, 16), ("k8v4", 256, 16),
                                      ("k8v4", 128, 64)]
-      for block_kv in sorted(set(tune.SearchSpace().block_kv))],
+      for block_kv in sorted(set(tuner.SearchSpace().block_kv))],
     *[(preset, 128, 16, block_kv, group_size, num_splits) for preset in ("k3v4", "k3v3", "k8v4")
-      for block_kv in sorted(set(tune.SearchSpace().block_kv)) for group_size in (1, 8, 16) for num_splits in (1, 16)],
+      for block_kv in sorted(set(tuner.SearchSpace().block_kv)) for group_size in (1, 8, 16) for num_splits in (1, 16)],
 ]
 
 
@@ -289,7 +290,7 @@ def test_mma_decode_variants(build_module, monkeypatch, variant):
 
 
 @pytest.mark.parametrize("preset", ["k3v4", "k3v3", "k8v4"])
-@pytest.mark.parametrize("block_kv,num_stages", sorted({(c["block_kv"], c["num_stages"]) for c in tune.SearchSpace().candidates()}
+@pytest.mark.parametrize("block_kv,num_stages", sorted({(c["block_kv"], c["num_stages"]) for c in tuner.SearchSpace().candidates()}
                                                   | {(32, 3), (64, 3)}))
 @gpu_test
 def test_mma_and_dot_kernels_agree(build_module, monkeypatch, preset, block_kv, num_stages):
@@ -323,7 +324,7 @@ def test_mma_decode_masks_block_ids_outside_the_cache(build_module, monkeypatch,
         out = module.decode(query, cache, table, lens, validate=False, num_warps=1, block_kv=64, num_splits=1, **codebook)
         assert torch.isfinite(out).all()
         remaining = torch.tensor([[1, 3, 4], [2, 0, 0]], dtype=torch.int32, device="cuda")
-        want = reference.decode(config, query, cache, remaining, torch.tensor([48, 16], dtype=torch.int32, device="cuda"),
+        want = reference.decode(Layout.from_config(config), query, cache, remaining, torch.tensor([48, 16], dtype=torch.int32, device="cuda"),
                                 codebook.get("rotation"), codebook.get("centroids"))
         assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
     assert len(spy.launches) == 3
@@ -355,6 +356,6 @@ def test_mma_decode_replays_in_a_cuda_graph(build_module, monkeypatch, preset):
     lens.copy_(torch.tensor([1, 255, 64, 33], dtype=torch.int32, device="cuda"))
     query.normal_(generator=generator)
     graph.replay()
-    want = reference.decode(config, query, cache, table, lens, codebook.get("rotation"), codebook.get("centroids"))
+    want = reference.decode(Layout.from_config(config), query, cache, table, lens, codebook.get("rotation"), codebook.get("centroids"))
     assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
     assert len(spy.launches) >= 2

@@ -5,8 +5,9 @@ import torch
 
 from conftest import HAS_CUDA, codebook_kwargs, make_config
 from tqgen import reference
+from tqgen.layout import Layout
 from tqgen.testing import relative_error
-from tqgen.verify import DECODE_TOLERANCE, DEQUANT_TOLERANCE, store_differences
+from tqgen.testing import DECODE_TOLERANCE, DEQUANT_TOLERANCE, store_differences
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
 
@@ -34,17 +35,17 @@ def test_cache_larger_than_4_gib_uses_its_last_blocks(build_module):
     written, expected = (torch.zeros(len(slots), 16, num_kv_heads, module.SLOT_BYTES, dtype=torch.uint8,
                                      device="cuda") for _ in range(2))
     written[:, 0] = cache[slots // 16, slots % 16]
-    expected[:, 0] = reference.encode_slots(config, key, value, kwargs["rotation"], kwargs["centroids"])
+    expected[:, 0] = reference.encode_slots(Layout.from_config(config), key, value, kwargs["rotation"], kwargs["centroids"])
     assert store_differences(config, written, expected, key, torch.arange(len(slots), device="cuda") * 16,
                              kwargs["rotation"], kwargs["centroids"]) == 0
 
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     query = torch.randn(2, 32, 128, device="cuda")
     out = module.decode(query, cache, block_table, lens, **kwargs)
-    want = reference.decode(config, query, cache, block_table, lens, kwargs["rotation"], kwargs["centroids"])
+    want = reference.decode(Layout.from_config(config), query, cache, block_table, lens, kwargs["rotation"], kwargs["centroids"])
     assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
     keys, values = module.dequantize(cache, block_table, lens, dtype=torch.float32, **kwargs)
-    want_keys, want_values = reference.dequantize(config, cache, block_table, lens, kwargs["rotation"],
+    want_keys, want_values = reference.dequantize(Layout.from_config(config), cache, block_table, lens, kwargs["rotation"],
                                                   kwargs["centroids"])
     assert relative_error(keys, want_keys) < DEQUANT_TOLERANCE
     assert relative_error(values, want_values) < DEQUANT_TOLERANCE
@@ -157,19 +158,19 @@ def test_dependent_launches_give_the_bits_of_serial_launches(build_module, prese
 
 
 def test_the_tuner_on_the_gpu_and_the_baked_module_uses_its_winner(tmp_path):
-    from tqgen import emit, tune, tuned
+    from tqgen import emit, tuned_files, tuner
 
     config = make_config("k3v4")
     module = emit.load(config, tmp_path / "plain", tmp_path / "no-tuned")
-    space = tune.SearchSpace(block_kv=(32, 64), num_warps=(1, 2), num_stages=(1,), num_splits=(8, 32))
-    fingerprint = tuned.device_fingerprint()
-    path = tune.tune(config, module, [(4, 8, 2048)], space, root=tmp_path, fingerprint=fingerprint,
+    space = tuner.SearchSpace(block_kv=(32, 64), num_warps=(1, 2), num_stages=(1,), num_splits=(8, 32))
+    fingerprint = tuned_files.device_fingerprint()
+    path = tuner.tune(config, module, [(4, 8, 2048)], space, root=tmp_path, fingerprint=fingerprint,
                      progress=lambda line: None)
-    entry = tuned.read(path, tuned.make_metadata(config, fingerprint))["g4_b8_t2048"]
+    entry = tuned_files.read(path, tuned_files.make_metadata(config, fingerprint))["g4_b8_t2048"]
     assert len(entry["timings_us"]) + len(entry["rejected"]) == 8 and not entry["rejected"]
     assert all(t > 0 for t in entry["timings_us"].values())
     baked = emit.load(config, tmp_path / "baked", tmp_path)
-    expected = tuple(entry["best"][field] for field in tuned.LAUNCH_FIELDS)
+    expected = tuple(entry["best"][field] for field in tuned_files.LAUNCH_FIELDS)
     assert baked.decode_launch(8, 8, 4, 2048, torch.device("cuda")) == expected
     assert baked.decode_launch(8, 8, 4, 9000, torch.device("cuda")) == baked.decode_launch_defaults(
         8, 8, 4, 9000, torch.device("cuda"))  # an untuned bucket falls back to the heuristic
@@ -187,6 +188,7 @@ sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); sys.path.insert(0,
 from conftest import make_config, codebook_kwargs
 from tqgen import emit, reference
 from tqgen.testing import paged_batch, relative_error
+from tqgen.layout import Layout
 config = make_config("k8v4")
 module = emit.load(config, {str(tmp_path)!r})
 assert module._LIVE_AUTOTUNE
@@ -195,7 +197,7 @@ cache = module.make_cache(batch.num_blocks, 2, "cuda")
 module.store(batch.key, batch.value, cache, batch.slot_mapping)
 query = torch.randn(2, 8, 128, device="cuda")
 out = module.decode(query, cache, batch.block_table, batch.seq_lens)
-want = reference.decode(config, query, cache, batch.block_table, batch.seq_lens)
+want = reference.decode(Layout.from_config(config), query, cache, batch.block_table, batch.seq_lens)
 print(relative_error(out, want), module._stage1_autotuned.best_config)
 """
     result = subprocess.run([sys.executable, "-c", script], env=dict(__import__("os").environ, TQGEN_AUTOTUNE="1"),

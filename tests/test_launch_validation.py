@@ -13,10 +13,10 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import codebook_kwargs, make_config
+from conftest import codebook_kwargs, make_config, planes_config, stored_cache
 from tqgen import reference
-from tqgen.testing import paged_batch, relative_error
-from tqgen.verify import DECODE_TOLERANCE
+from tqgen.layout import Layout
+from tqgen.testing import DECODE_TOLERANCE, paged_batch, relative_error
 
 PRESETS = ("k3v4", "k8v4")  # one MSE config, one fp8 config
 SEQ_LENS = [20, 5]  # pages of 16: sequence 0 spans two blocks, sequence 1 one
@@ -309,7 +309,7 @@ def _decode(ctx, table, lens, query=None, **launch):
 
 def _reference_decode(ctx, table, lens, query=None):
     query = ctx.query[: table.shape[0]] if query is None else query
-    return reference.decode(ctx.config, query, ctx.cache, table, lens, ctx.codebook.get("rotation"),
+    return reference.decode(Layout.from_config(ctx.config), query, ctx.cache, table, lens, ctx.codebook.get("rotation"),
                             ctx.codebook.get("centroids"))
 
 
@@ -487,3 +487,38 @@ def test_old_triton_interpreters_read_scalar_indices_whatever_numpy(build_module
     assert interpreter._patch_lang_tensor is wrapped is not original
     wrapped(Scalar, Scope())
     assert patched == [Scalar] and len(range(Scalar())) == 7
+
+
+# --- the page-planar layout ("planes") ---------------------------------------------------------
+def test_launchers_refuse_a_cache_they_cannot_read(device, build_module):
+    config = planes_config("k3v4")
+    module = build_module(config)
+    batch, cache = stored_cache(module, config, [5], device)
+    kwargs = codebook_kwargs(module, config, device)
+    query = torch.randn(1, 8, 128, device=device)
+    slots_shaped = torch.zeros(cache.shape[0], 16, 2, module.SLOT_BYTES, dtype=torch.uint8, device=device)
+    with pytest.raises(module.LaunchError, match=r"kv_cache must be \[num_blocks, num_kv_heads, 1888\] "
+                                                 r"\(this module's cache_layout is planes"):
+        module.decode(query, slots_shaped, batch.block_table, batch.seq_lens, **kwargs)
+    with pytest.raises(module.LaunchError, match=r"pages are 1880 bytes \(dim 2\).*1888 bytes"):
+        module.decode(query, cache[..., :1880], batch.block_table, batch.seq_lens, **kwargs)
+    shifted = torch.zeros(cache.numel() + 8, dtype=torch.uint8, device=device)[8:].view(cache.shape)
+    with pytest.raises(module.LaunchError, match=r"16-byte aligned address .*\(address % 16 = 8,"):
+        module.store(batch.key, batch.value, shifted, batch.slot_mapping, **kwargs)
+    padded = torch.zeros(cache.shape[0], 2, module.PAGE_BYTES + 8, dtype=torch.uint8, device=device)
+    with pytest.raises(module.LaunchError, match="multiples of 16 bytes"):
+        module.dequantize(padded[..., : module.PAGE_BYTES], batch.block_table, batch.seq_lens, **kwargs)
+    strided = torch.zeros(cache.shape[0], 2, 2 * module.PAGE_BYTES, dtype=torch.uint8, device=device)[..., ::2]
+    with pytest.raises(module.LaunchError, match=r"contiguous within a page \(stride\(2\) == 1\)"):
+        module.decode(query, strided, batch.block_table, batch.seq_lens, **kwargs)
+    assert tuple(module.make_cache(3, 2, device).shape) == (3, 2, module.PAGE_BYTES)
+
+
+def test_a_slots_module_names_its_layout_for_a_planes_cache(device, build_module):
+    slots = make_config("k8v4")
+    module = build_module(slots)
+    planes_cache = torch.zeros(4, 2, 16 * module.SLOT_BYTES, dtype=torch.uint8, device=device)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32, device=device), torch.ones(1, dtype=torch.int32, device=device)
+    with pytest.raises(module.LaunchError, match=r"kv_cache must be \[num_blocks, 16, num_kv_heads, 196\] "
+                                                 r"\(this module's cache_layout is slots\)"):
+        module.dequantize(planes_cache, table, lens)

@@ -20,8 +20,13 @@ def test_wheel_carries_the_templates_and_renders_outside_the_checkout(tmp_path):
                     str(ROOT)], check=True, capture_output=True)
     (wheel,) = dist.glob("tqgen-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for template in sorted(p.name for p in (ROOT / "templates").glob("*.jinja")):
+    templates = sorted(p.relative_to(ROOT / "templates").as_posix() for p in (ROOT / "templates").rglob("*.jinja"))
+    assert len(templates) > 10
+    for template in templates:
         assert f"tqgen/_templates/{template}" in names
+    # Tuning data only: tuned/<device>/<artifact>.json and the folder's README, no benchmark outputs.
+    tuned = [name for name in names if name.startswith("tqgen/_tuned/")]
+    assert tuned and all(name.endswith(".json") and "/tq_" in name or name.endswith("README.md") for name in tuned), tuned
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)

@@ -1,5 +1,5 @@
 """The store kernel: byte-exact against the reference (MSE key codes of coordinates on a decision
-boundary excepted: tqgen.verify.store_differences), and nothing written outside its slots."""
+boundary excepted: tqgen.testing.store_differences), and nothing written outside its slots."""
 
 from types import SimpleNamespace
 
@@ -8,11 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
-from conftest import HAS_CUDA, PRESETS, codebook_kwargs, make_config
-from tqgen import codebook, reference, render
+from conftest import (HAS_CUDA, KERNEL_FORMATS, PRESETS, codebook_kwargs, make_config, planes_config,
+                      planes_config_of, stored_cache)
+from tqgen import codebook, reference
 from tqgen.layout import Layout
-from tqgen.verify import store_differences
-from tqgen.testing import paged_batch
+from tqgen.plan import Plan
+from tqgen.testing import DECODE_TOLERANCE, paged_batch, relative_error, store_differences
 
 SENTINEL = 0xA5
 
@@ -22,7 +23,7 @@ def _store_both(module, config, batch, device, num_kv_heads):
     cache = module.make_cache(batch.num_blocks, num_kv_heads, device).fill_(SENTINEL)  # either layout
     expected = cache.clone()
     module.store(batch.key, batch.value, cache, batch.slot_mapping, **kwargs)
-    reference.store(config, batch.key, batch.value, expected, batch.slot_mapping,
+    reference.store(Layout.from_config(config), batch.key, batch.value, expected, batch.slot_mapping,
                     kwargs.get("rotation"), kwargs.get("centroids"))
     differing = store_differences(config, cache, expected, batch.key, batch.slot_mapping,
                                   kwargs.get("rotation"), kwargs.get("centroids"))
@@ -136,7 +137,7 @@ def test_hadamard_keys_are_rotated_in_the_kernel_and_other_matrices_by_torch(dev
         expected = cache.clone()
         module.store(batch.key, batch.value, cache, batch.slot_mapping, rotation=rotation,
                      centroids=kwargs["centroids"])
-        reference.store(config, batch.key, batch.value, expected, batch.slot_mapping, rotation,
+        reference.store(Layout.from_config(config), batch.key, batch.value, expected, batch.slot_mapping, rotation,
                         kwargs["centroids"])
         assert len(calls) == torch_calls
         assert store_differences(config, cache, expected, batch.key, batch.slot_mapping, rotation,
@@ -157,7 +158,7 @@ def test_store_differences_allows_only_boundary_ties_and_one_ulp_norms():
     key = (unit * 3.0).float()
     slots = torch.tensor([0])
     expected = torch.zeros(1, config.block_size, 1, layout.slot_bytes, dtype=torch.uint8)
-    reference.store(config, key, key, expected, slots, rotation, centroids)
+    reference.store(Layout.from_config(config), key, key, expected, slots, rotation, centroids)
 
     def with_code(dim, code):
         cache = expected.clone()
@@ -199,10 +200,10 @@ def test_store_differences_takes_a_corrected_norm_from_the_codes_stored():
     key = (unit * 3.0).float()
     slots = torch.tensor([0])
     expected = torch.zeros(1, 1, layout.page_bytes, dtype=torch.uint8)
-    reference.store(config, key, key, expected, slots, rotation, centroids)
+    reference.store(Layout.from_config(config), key, key, expected, slots, rotation, centroids)
 
     def flipped(norm):  # the other side of the tie at dim 0, with this fp16 norm
-        rows = reference.as_slots(config, expected).clone()
+        rows = reference.as_slots(Layout.from_config(config), expected).clone()
         codes = reference.unpack_codes(rows[0, 0, 0, : layout.key_code_bytes], layout.key_bits, config.head_dim)
         codes[0] = 29 - codes[0]
         rows[0, 0, 0, : layout.key_code_bytes] = reference.pack_codes(codes, layout.key_bits)
@@ -223,14 +224,14 @@ def test_store_differences_takes_a_corrected_norm_from_the_codes_stored():
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_the_code_search_counts_the_boundaries_at_or_below_each_value(bits):
-    """The store's binary search (render.code_search), run as torch code: the code of every
+    """The store's binary search (Plan.code_search), run as torch code: the code of every
     value, boundaries themselves included (ties go up), equals the count the reference takes."""
     boundaries = torch.sort(torch.randn(2**bits - 1, generator=torch.Generator().manual_seed(bits))).values
     values = torch.cat([boundaries, boundaries - 1e-6, boundaries + 1e-6, torch.tensor([-1e9, 1e9]),
                         torch.randn(1000, generator=torch.Generator().manual_seed(bits + 10))])
     namespace = {"tl": SimpleNamespace(where=torch.where, int32=torch.int32), "rotated": values,
                  **{f"boundary{j}": boundary for j, boundary in enumerate(boundaries)}}
-    exec("\n".join(render.code_search(bits)), namespace)
+    exec("\n".join(Plan.code_search(bits)), namespace)
     assert torch.equal(namespace["codes"], (values[:, None] >= boundaries).sum(-1).to(torch.int32))
 
 
@@ -311,3 +312,100 @@ def test_divide_rows_is_div_rn(build_module, _):
     fast, exact = torch.empty_like(numerator), torch.empty_like(numerator)
     _divide_rows_kernel[(4096,)](numerator, denominator, fast, exact, COLS=cols, DIVIDE=module._divide_rows)
     assert torch.equal(fast.view(torch.int32), exact.view(torch.int32))
+
+
+# --- the page-planar layout ("planes") ---------------------------------------------------------
+@pytest.mark.parametrize("spec", KERNEL_FORMATS, ids=str)
+def test_store_writes_the_reference_bytes_and_nothing_else(device, build_module, spec):
+    config = planes_config_of(spec)
+    head_dim = config.head_dim
+    module = build_module(config)
+    batch = paged_batch(config, [1, 15, 17, 40], num_kv_heads=2, device=device,
+                        generator=torch.Generator().manual_seed(head_dim))
+    kwargs = codebook_kwargs(module, config, device)
+    cache = torch.full((batch.num_blocks, 2, module.PAGE_BYTES), SENTINEL, dtype=torch.uint8, device=device)
+    cache[-1] = 0x5A  # a different byte in one unused block, so that a misplaced field shows in both
+    initial, expected = cache.clone(), cache.clone()
+    module.store(batch.key, batch.value, cache, batch.slot_mapping, **kwargs)
+    reference.store(Layout.from_config(config), batch.key, batch.value, expected, batch.slot_mapping,
+                    kwargs.get("rotation"), kwargs.get("centroids"))
+    differing = store_differences(config, cache, expected, batch.key, batch.slot_mapping,
+                                  kwargs.get("rotation"), kwargs.get("centroids"))
+    assert differing == 0, f"{differing} bytes differ"
+    # Whole unused pages keep their bytes.
+    unused = sorted(set(range(batch.num_blocks)) - set(batch.block_table[batch.block_table >= 0].tolist()))
+    assert unused and torch.equal(cache[unused].cpu(), initial[unused].cpu())
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_planes_cache_is_the_slots_cache_relaid(device, build_module, preset):
+    """The same tokens stored by both layouts' modules: identical bytes but for the key norms, which
+    "planes" stores norm-corrected, and a decode as close to the float64 reference (planes looks MSE
+    centroids up by byte permutes, so the two kernels round differently)."""
+    planes, slots = planes_config(preset), make_config(preset)
+    layout = Layout.from_config(planes)
+    batch, planes_cache = stored_cache(build_module(planes), planes, [20, 33], device, seed=3)
+    _, slots_cache = stored_cache(build_module(slots), slots, [20, 33], device, seed=3)
+    kwargs = codebook_kwargs(build_module(planes), planes, device)
+    relaid = reference.pages_to_slots(layout, planes_cache.cpu())
+    # The slots norm (fp16) over its centroid norm, rounded to fp16 once more: within one unit in
+    # the last place of the store's fp32 quotient.
+    centroids = kwargs["centroids"].cpu() if "centroids" in kwargs else None  # fp8 keys: none, and no norms
+    expected = reference.corrected_key_norms(Layout.from_config(planes), slots_cache.cpu(), centroids)
+    if centroids is not None:  # what the modules tell a reader of their cache
+        assert build_module(planes).KEY_NORM_CORRECTED and not build_module(slots).KEY_NORM_CORRECTED
+    if layout.key_norm_corrected:
+        norm = slice(layout.key_norm_offset, layout.key_norm_offset + 2)
+        got_bits, want_bits = (rows[..., norm].contiguous().view(torch.int16).squeeze(-1).int()
+                               for rows in (relaid, expected))
+        assert (got_bits - want_bits).abs().max() <= 1
+        relaid[..., norm] = expected[..., norm] = 0
+    assert torch.equal(relaid, expected)
+    query = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(5)).to(device)
+    from_planes = build_module(planes).decode(query, planes_cache, batch.block_table, batch.seq_lens, **kwargs)
+    from_slots = build_module(slots).decode(query, slots_cache, batch.block_table, batch.seq_lens, **kwargs)
+    want = reference.decode(Layout.from_config(planes), query, planes_cache, batch.block_table, batch.seq_lens, **kwargs)
+    want_slots = reference.decode(Layout.from_config(slots), query, slots_cache, batch.block_table, batch.seq_lens, **kwargs)
+    # Each kernel is about 3-6e-4 from the float64 reference of its own cache (fp16 query and centroids).
+    assert relative_error(from_planes, want) < DECODE_TOLERANCE[torch.float32]
+    assert relative_error(from_slots, want_slots) < DECODE_TOLERANCE[torch.float32]
+    if layout.key_norm_corrected:
+        # The caches round each token's norm scale to fp16 at different points (before or after the
+        # division by the centroid norm): up to an ulp apart, which moves the output by 5-8e-4 here.
+        assert relative_error(want, want_slots) < 1.5e-3
+    else:
+        assert torch.equal(want, want_slots)  # the same bytes: the same reference
+
+
+def test_a_token_whose_centroids_are_all_zero_stores_the_largest_fp16_norm(device, build_module):
+    """A codebook may hold 0. A key whose every coordinate codes to it has a centroid norm of 0, and
+    its corrected norm would overflow fp16 (decode: 0 * inf = NaN). The store clamps it to 65504:
+    the token then scores 0, and the output stays finite."""
+    config = planes_config("k3v4")
+    module = build_module(config)
+    kwargs = codebook_kwargs(module, config, device)
+    # Code 3's centroid is 0, and its bucket [-0.5, 0.25) holds every coordinate of the first key.
+    kwargs["centroids"] = torch.tensor([-3.0, -2.0, -1.0, 0.0, 0.5, 1.0, 2.0, 3.0], device=device)
+    rotation = kwargs["rotation"].cpu().double()
+    unit = torch.full((128,), 128 ** -0.5, dtype=torch.float64)  # rotated: every coordinate 0.088, code 3
+    key = torch.stack([(2.0 * unit @ rotation.T), torch.randn(128, generator=torch.Generator().manual_seed(1),
+                                                             dtype=torch.float64)]).float()[:, None, :]
+    key = key.expand(2, 2, 128).contiguous().to(device)
+    value = torch.randn(2, 2, 128, generator=torch.Generator().manual_seed(2)).to(device)
+    cache = module.make_cache(1, 2, device)
+    expected = cache.clone()
+    slots = torch.tensor([0, 1], device=device)
+    module.store(key, value, cache, slots, **kwargs)
+    reference.store(Layout.from_config(config), key, value, expected, slots, kwargs["rotation"], kwargs["centroids"])
+    assert store_differences(config, cache, expected, key, slots, kwargs["rotation"], kwargs["centroids"]) == 0
+    rows = reference.as_slots(Layout.from_config(config), cache.cpu())[0, 0]  # token 0, both heads
+    layout = Layout.from_config(config)
+    assert torch.all(reference.unpack_codes(rows[:, : layout.key_code_bytes], 3, 128) == 3)
+    norm = rows[:, layout.key_norm_offset: layout.key_norm_offset + 2].contiguous().view(torch.float16)
+    assert torch.all(norm == 65504.0)
+    query = torch.randn(1, 8, 128, generator=torch.Generator().manual_seed(3)).to(device)
+    block_table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([2], dtype=torch.int32, device=device)
+    out = module.decode(query, cache, block_table, seq_lens, **kwargs)
+    want = reference.decode(Layout.from_config(config), query, cache, block_table, seq_lens, **kwargs)
+    assert torch.isfinite(out).all() and relative_error(out, want) < DECODE_TOLERANCE[torch.float32]

@@ -15,16 +15,17 @@ import torch
 import triton
 
 from conftest import INTERPRET, make_config
-from tqgen import emit, render, tune, tuned
+from tqgen import emit, render, tuned_files, tuner
 from tqgen.buckets import bucket_bounds, bucket_key, default_buckets
 from tqgen.errors import TqgenError
+from tqgen.plan import Plan
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CPU tuning runs under the interpreter")
 
 REPO = Path(__file__).resolve().parent.parent
 FINGERPRINT = {"device_name": "Test GPU", "compute_capability": "9.0", "sm_count": 4,
                "triton_version": triton.__version__, "torch_version": torch.__version__.split("+")[0]}
-SPACE = tune.SearchSpace(block_kv=(32, 64), num_warps=(1,), num_stages=(1,), num_splits=(1, 2))
+SPACE = tuner.SearchSpace(block_kv=(32, 64), num_warps=(1,), num_stages=(1,), num_splits=(1, 2))
 BUCKETS = [(2, 2, 200), (2, 1, 100)]  # -> g2_b2_t256 and g2_b1_t256
 
 
@@ -44,7 +45,7 @@ def setup(tmp_path_factory):
 def run_tune(setup, root, buckets=BUCKETS, timer=cpu_timer, progress=None, **kwargs):
     config, module = setup
     lines = []
-    path = tune.tune(config, module, buckets, SPACE, root=root, fingerprint=FINGERPRINT,
+    path = tuner.tune(config, module, buckets, SPACE, root=root, fingerprint=FINGERPRINT,
                      timer=timer, num_kv_heads=1, device="cpu",
                      progress=progress or lines.append, **kwargs)
     return path, lines
@@ -65,13 +66,13 @@ def test_tune_writes_metadata_and_every_candidate(setup, tmp_path):
     document = json.loads(path.read_text())
     metadata = document["metadata"]
     assert metadata["config_hash"] == config.hash() and metadata["template_hash"] == render.template_hash()
-    assert metadata["kernel_hash"] == render.decode_kernel_hash(config) and metadata["schema_version"] == 2
+    assert metadata["kernel_hash"] == render.decode_kernel_hash(config) and metadata["schema_version"] == tuned_files.SCHEMA_VERSION == 3
     assert metadata["device_name"] == "Test GPU" and metadata["sm_count"] == 4 and metadata["date"]
     assert list(document["buckets"]) == ["g2_b1_t256", "g2_b2_t256"]
     for entry in document["buckets"].values():
-        assert set(entry["timings_us"]) | set(entry["rejected"]) == {tuned.candidate_id(c) for c in SPACE.candidates()}
+        assert set(entry["timings_us"]) | set(entry["rejected"]) == {tuned_files.candidate_id(c) for c in SPACE.candidates()}
         assert not entry["rejected"]
-        best = tuned.candidate_id(entry["best"])
+        best = tuned_files.candidate_id(entry["best"])
         assert entry["timings_us"][best] == min(entry["timings_us"].values()) == entry["best_us"]
     assert len(lines) == 2 and all("best" in line for line in lines)
 
@@ -105,7 +106,7 @@ def test_a_killed_run_keeps_the_buckets_it_finished(setup, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run_tune(setup, tmp_path, timer=dying_timer)
     config, _ = setup
-    path = tuned.tuned_path(tmp_path, "Test GPU", config)
+    path = tuned_files.tuned_path(tmp_path, "Test GPU", config)
     assert list(json.loads(path.read_text())["buckets"]) == ["g2_b2_t256"]
     _, lines = run_tune(setup, tmp_path)
     assert "already tuned" in lines[0] and "best" in lines[1]
@@ -159,7 +160,7 @@ def test_force_keeps_an_unusable_file_beside_the_new_one(setup, tmp_path):
     assert fresh["metadata"]["kernel_hash"] == render.decode_kernel_hash(config)
     assert list(fresh["buckets"]) == ["g2_b1_t256", "g2_b2_t256"]
     warnings = []
-    baked = tuned.baked_launches(tmp_path, config, warnings.append)  # the new file, not the kept one
+    baked = tuned_files.baked_launches(tmp_path, config, warnings.append)  # the new file, not the kept one
     assert not warnings and set(baked["Test GPU"]["buckets"]) == {"g2_b1_t256", "g2_b2_t256"}
 
 
@@ -168,12 +169,12 @@ def test_setting_aside_checks_the_file_again_under_the_lock(setup, tmp_path):
     first read and its lock: then nothing is renamed and its buckets are kept."""
     config, _ = setup
     path, _ = run_tune(setup, tmp_path, buckets=BUCKETS[:1])
-    metadata = tuned.make_metadata(config, FINGERPRINT)
+    metadata = tuned_files.make_metadata(config, FINGERPRINT)
     before = path.read_bytes()
-    assert tuned.set_aside_unusable(path, metadata) == (None, json.loads(before)["buckets"])
+    assert tuned_files.set_aside_unusable(path, metadata) == (None, json.loads(before)["buckets"])
     assert path.read_bytes() == before and sorted(p.name for p in path.parent.iterdir()) == [path.name, path.name + ".lock"]
     path.unlink()
-    assert tuned.set_aside_unusable(path, metadata) == (None, {})
+    assert tuned_files.set_aside_unusable(path, metadata) == (None, {})
 
 
 def test_a_wrong_candidate_is_rejected_not_picked(setup, tmp_path, monkeypatch):
@@ -202,11 +203,11 @@ def test_each_bucket_is_checked_on_the_same_seeded_data_without_touching_the_glo
         return original(query, cache, *args, **kwargs)
 
     monkeypatch.setattr(module, "decode", recording)
-    one_launch = tune.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(1,))
+    one_launch = tuner.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(1,))
     torch.manual_seed(123)
     state = torch.get_rng_state()
     for _ in range(2):
-        tune.tune_bucket(module, config, 2, 1, 100, one_launch, timer=cpu_timer, num_kv_heads=1, device="cpu")
+        tuner.tune_bucket(module, config, 2, 1, 100, one_launch, timer=cpu_timer, num_kv_heads=1, device="cpu")
     assert torch.equal(torch.get_rng_state(), state)
     assert len(seen) == 6  # per run: the check, the warm-up and the timed call on the full problem
     for (query, cache), (query_again, cache_again) in zip(seen[:3], seen[3:]):
@@ -215,14 +216,14 @@ def test_each_bucket_is_checked_on_the_same_seeded_data_without_touching_the_glo
 
 def _save_many(path, metadata, worker):
     for i in range(15):
-        tuned.save_bucket(path, metadata, f"g{worker}_b{i + 1}_t256",
+        tuned_files.save_bucket(path, metadata, f"g{worker}_b{i + 1}_t256",
                           {"best": {"block_kv": 32, "num_warps": 1, "num_stages": 1, "num_splits": worker}})
 
 
 def test_concurrent_tuners_keep_each_others_buckets(setup, tmp_path):
     config, _ = setup
-    metadata = tuned.make_metadata(config, FINGERPRINT)
-    path = tuned.tuned_path(tmp_path, "Test GPU", config)
+    metadata = tuned_files.make_metadata(config, FINGERPRINT)
+    path = tuned_files.tuned_path(tmp_path, "Test GPU", config)
     context = multiprocessing.get_context("spawn")
     workers = [context.Process(target=_save_many, args=(path, metadata, w)) for w in (1, 2, 3)]
     for worker in workers:
@@ -230,7 +231,7 @@ def test_concurrent_tuners_keep_each_others_buckets(setup, tmp_path):
     for worker in workers:
         worker.join(timeout=120)
         assert worker.exitcode == 0
-    buckets = tuned.read(path, metadata)
+    buckets = tuned_files.read(path, metadata)
     assert len(buckets) == 45 and {b["best"]["num_splits"] for b in buckets.values()} == {1, 2, 3}
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
 
@@ -254,8 +255,8 @@ def test_two_tuner_processes_on_one_config_both_finish(tmp_path):
         worker.join(timeout=600)
         assert worker.exitcode == 0
     config = make_config("k3v4", head_dim=64)
-    metadata = tuned.make_metadata(config, FINGERPRINT)
-    buckets = tuned.read(tuned.tuned_path(tmp_path / "tuned", "Test GPU", config), metadata)
+    metadata = tuned_files.make_metadata(config, FINGERPRINT)
+    buckets = tuned_files.read(tuned_files.tuned_path(tmp_path / "tuned", "Test GPU", config), metadata)
     assert sorted(buckets) == ["g2_b1_t256", "g2_b2_t256", "g2_b4_t512"]
     assert all(len(entry["timings_us"]) == len(SPACE.candidates()) for entry in buckets.values())
 
@@ -267,7 +268,7 @@ def test_build_bakes_tuned_launches_and_decode_uses_them(setup, tmp_path, monkey
     module = emit.load(config, tmp_path / "out", tmp_path)
     baked = module.TUNED_LAUNCHES["Test GPU"]
     assert baked["triton_version"] == triton.__version__ and "Test_GPU/" in baked["source"]
-    assert baked["buckets"]["g2_b2_t256"] == tuple(entry["best"][f] for f in tuned.LAUNCH_FIELDS)
+    assert baked["buckets"]["g2_b2_t256"] == tuple(entry["best"][f] for f in tuned_files.LAUNCH_FIELDS)
     assert "Test GPU: 2 buckets" in module.__doc__
 
     monkeypatch.setattr(module.torch.cuda, "get_device_name", lambda device=None: "Test GPU")
@@ -305,7 +306,7 @@ def _heuristic_ratios(module, tables):
     ratios = []
     for name, bounds, entry in tables:
         launch = module.heuristic_launch(bounds["batch"][1], 8, bounds["context"][1], 132)
-        candidate = tuned.candidate_id(dict(zip(tuned.LAUNCH_FIELDS, launch)))
+        candidate = tuned_files.candidate_id(dict(zip(tuned_files.LAUNCH_FIELDS, launch)))
         assert candidate in entry["timings_us"], f"{name}: {candidate} was not measured"
         ratios.append(entry["timings_us"][candidate] / entry["best_us"])
     return ratios
@@ -349,20 +350,20 @@ def test_planes_heuristic_is_close_to_the_measured_best_on_the_h200(tmp_path, pr
 
 
 def test_a_bucket_without_valid_candidates_fails_alone(setup, tmp_path, monkeypatch):
-    real = tune.tune_bucket
+    real = tuner.tune_bucket
 
     def first_bucket_fails(module, config, group_size, batch, context, space, **kwargs):
         if batch == 2:
             raise TqgenError("bucket g2_b2_t256: every candidate was rejected (test)")
         return real(module, config, group_size, batch, context, space, **kwargs)
 
-    monkeypatch.setattr(tune, "tune_bucket", first_bucket_fails)
+    monkeypatch.setattr(tuner, "tune_bucket", first_bucket_fails)
     lines = []
     with pytest.raises(TqgenError, match=r"1 of 2 buckets have no valid candidate \(g2_b2_t256\)"):
         run_tune(setup, tmp_path, progress=lines.append)
     assert "FAILED" in lines[0] and "best" in lines[1]  # the next bucket was still tuned and saved
     config, _ = setup
-    assert list(json.loads(tuned.tuned_path(tmp_path, "Test GPU", config).read_text())["buckets"]) == ["g2_b1_t256"]
+    assert list(json.loads(tuned_files.tuned_path(tmp_path, "Test GPU", config).read_text())["buckets"]) == ["g2_b1_t256"]
 
 
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
@@ -375,7 +376,7 @@ def test_committed_tuned_files_are_current(path):
 
     config = config_mod.resolve_arch(config_mod.load(path), (9, 0))
     warnings = []
-    baked = tuned.baked_launches(REPO / "tuned", config, warnings.append)
+    baked = tuned_files.baked_launches(REPO / "tuned", config, warnings.append)
     assert not warnings, warnings
     assert "NVIDIA H200" in baked, f"no tuned/NVIDIA_H200 file for {config.artifact_name()}"
     assert len(baked["NVIDIA H200"]["buckets"]) >= 4
@@ -383,8 +384,10 @@ def test_committed_tuned_files_are_current(path):
 
 
 def test_only_decode_kernel_edits_invalidate_a_tuned_file(setup, tmp_path, monkeypatch):
-    """template_hash is informational: edits to store, dequantize or the heuristic keep the tuning;
-    an edit to anything the tuner timed (decode kernels, their helpers, the decode launcher) drops it."""
+    """The tuning is keyed on the code the tuner timed (render.decode_kernel_hash): an edit to the
+    code of any definition that decode's launch reaches (its kernels, their helpers, the launch code)
+    drops it; comments and docstrings there, and code of the store, dequantize or the launch heuristic,
+    keep it."""
     import shutil
 
     config, _ = setup
@@ -393,15 +396,53 @@ def test_only_decode_kernel_edits_invalidate_a_tuned_file(setup, tmp_path, monke
     shutil.copytree(render.template_dir(), copy)
     monkeypatch.setattr(render, "template_dir", lambda: copy)
     warnings = []
-    for outside in ("store.py.jinja", "dequant.py.jinja", "launchers.py.jinja"):
-        with open(copy / outside, "a") as handle:
-            handle.write("# an edit outside the decode path\n")
-        assert "Test GPU" in tuned.baked_launches(tmp_path / "tuned", config, warnings.append) and not warnings
-    pristine = {name: (copy / name).read_text() for name in render.DECODE_KERNEL_TEMPLATES}
-    for inside in render.DECODE_KERNEL_TEMPLATES:
-        with open(copy / inside, "a") as handle:
-            handle.write("# an edit on the decode path\n")
-        assert tuned.baked_launches(tmp_path / "tuned", config, warnings.append) == {}, inside
+
+    def edit(name, old, new):
+        text = (copy / name).read_text()
+        assert text.count(old) == 1, (name, old)
+        (copy / name).write_text(text.replace(old, new))
+        return text
+
+    keeps = [  # (template, text, replacement)
+        ("store/kernel.py.jinja", "    value = value.to(tl.float32)\n", "    value = value.to(tl.float32) + 0.0\n"),
+        ("dequantize/kernel.py.jinja", "    values = value_codes * value_scale", "    values = 1.0 * value_codes * value_scale"),
+        ("decode/heuristic.py.jinja", "        return 4  # the interpreter", "        return 2  # the interpreter"),
+        ("decode/stage2.py.jinja", "    lse_max = tl.max(lse, axis=0)\n", "    # a comment\n    lse_max = tl.max(lse, axis=0)\n"),
+        ("decode/stage1.py.jinja", "    so scale and zero cost per token", "    so scale and zero (a docstring edit) cost per token"),
+    ]
+    drops = [
+        ("decode/stage1.py.jinja", "    running_sum = tl.zeros([BLOCK_H], tl.float32)\n",
+         "    running_sum = tl.zeros([BLOCK_H], tl.float32) * 1.0\n"),
+        ("decode/stage2.py.jinja", "    lse_max = tl.max(lse, axis=0)\n", "    lse_max = tl.max(lse, axis=0) + 0.0\n"),
+        ("decode/prepare.py.jinja", "    row_mask = rows < num_rows\n", "    row_mask = (rows < num_rows) & True\n"),
+        ("decode/launch.py.jinja", "    block_h = max(16, triton.next_power_of_2(group_size))",
+         "    block_h = max(16, triton.next_power_of_2(group_size), 1)"),
+        ("shared/fields.py.jinja", "bitcast=True) - 1024.0", "bitcast=True) - 1024.0 + 0.0"),
+    ]
+    for name, old, new in keeps:
+        pristine = edit(name, old, new)
+        assert "Test GPU" in tuned_files.baked_launches(tmp_path / "tuned", config, warnings.append), name
+        assert not warnings, warnings
+        (copy / name).write_text(pristine)
+    for name, old, new in drops:
+        pristine = edit(name, old, new)
+        assert tuned_files.baked_launches(tmp_path / "tuned", config, warnings.append) == {}, name
         assert "kernel_hash" in warnings[-1] and str(path) in warnings[-1]
-        (copy / inside).write_text(pristine[inside])
-    assert len(warnings) == len(render.DECODE_KERNEL_TEMPLATES)
+        (copy / name).write_text(pristine)
+    assert len(warnings) == len(drops)
+
+
+def test_the_decode_hash_covers_what_the_decode_launch_reaches_and_not_launch_selection():
+    """render.decode_path: from _run_decode, every kernel and helper decode runs, never the tuned table
+    or the heuristic (they choose launches; the tuner passes every launch parameter)."""
+    for stem in ("k3v4-d128-planes", "k8v4-d128"):
+        from tqgen import config as config_mod
+
+        config = config_mod.resolve_arch(config_mod.load(REPO / "configs" / f"{stem}.yaml"), (9, 0))
+        reached = set(render.decode_path(render.render(config)))
+        assert {"tq_decode_stage1", "tq_decode_stage2", "_run_decode", "_load_value_words"} <= reached
+        assert ("tq_prepare_query" in reached) == (config.key_format == "mse")
+        assert ("tq_decode_stage1_mma" in reached) == ("_mma_stage1_constants" in reached) == (
+            Plan.from_config(config).mma_stage1)
+        assert not reached & {"TUNED_LAUNCHES", "decode_launch", "heuristic_launch", "decode", "tq_store",
+                              "tq_dequantize", "store", "dequantize"}

@@ -6,9 +6,9 @@ For each (config, batch, context) it reports, all measured in the same process:
 - GB/s of compressed bytes read (batch x kv_heads x context x slot_bytes) and
   that as a percentage of a device-to-device copy ceiling measured in this run;
 - the speedup over torch SDPA decode on a dense fp16 cache of the same shape;
-- the speedup over the same generated kernel launched with the seed's choice
+- the speedup over the same generated kernel launched with vLLM's kernel's choice
   (32 splits, 1 warp, 1 stage; BLOCK_KV 32, since tl.dot needs tiles of >= 16
-  tokens and triton 3.6 miscompiles 16 -- the seed used 4);
+  tokens and triton 3.6 miscompiles 16 -- vLLM's kernel uses 4);
 - the launch the call used (tuned for this bucket, or the heuristic) and, side
   by side, the heuristic launch's time (`decode_launch_defaults`).
 
@@ -28,10 +28,9 @@ from types import ModuleType
 import torch
 
 from .config import Config
-from .emit import write_atomic
-from .layout import Layout
-from .reference import slots_to_pages
-from .tuned import LAUNCH_FIELDS, candidate_id
+from .files import write_atomic
+from .testing import codebook_kwargs, random_problem
+from .tuned_files import LAUNCH_FIELDS, candidate_id
 
 SEED_LAUNCH = dict(num_splits=32, block_kv=32, num_warps=1, num_stages=1)
 
@@ -75,54 +74,6 @@ def copy_ceiling_gbps(device="cuda", nbytes: int = 2 << 30) -> float:
     ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
     del src, dst
     return _gbps(2 * nbytes, ms)
-
-
-def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_heads: int, device,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-    """A random cache in the config's layout, with plausible fields: fp16 norm/scale/zero in range, fp8 keys of N(0, 1) keys.
-
-    Random fp8 bytes would give keys up to 240 and softmax weights so peaked that
-    fp16 rounding of the query alone exceeds the tuner's tolerance. `generator`
-    (on `device`) makes the cache reproducible; None draws from torch's global one.
-    """
-    cache = torch.randint(0, 256, (num_blocks, config.block_size, num_kv_heads, module.SLOT_BYTES),
-                          dtype=torch.uint8, device=device, generator=generator)
-
-    def put_fp16(offset: int, low: float, high: float) -> None:
-        values = torch.empty(cache.shape[:3], device=device).uniform_(low, high, generator=generator).half()
-        bits = values.view(torch.int16).to(torch.int32) & 0xFFFF
-        cache[..., offset] = (bits & 0xFF).to(torch.uint8)
-        cache[..., offset + 1] = (bits >> 8).to(torch.uint8)
-
-    put_fp16(module.VALUE_SCALE_OFFSET, 0.01, 0.2)
-    put_fp16(module.VALUE_ZERO_OFFSET, -1.0, 0.0)
-    if config.key_format == "mse":
-        put_fp16(module.KEY_NORM_OFFSET, 5.0, 20.0)
-    else:
-        keys = torch.randn(*cache.shape[:3], config.head_dim, device=device, generator=generator)
-        cache[..., : config.head_dim] = keys.to(torch.float8_e4m3fn).view(torch.uint8)
-    layout = Layout.from_config(config)
-    if not layout.planes:
-        return cache
-    # The reference conversion unpacks codes to int64 bits: a block at a time keeps a large cache in memory.
-    return torch.cat([slots_to_pages(layout, blocks) for blocks in cache.split(1024)])
-
-
-def random_problem(module: ModuleType, config: Config, batch: int, context: int, num_q_heads: int,
-                   num_kv_heads: int, device, generator: torch.Generator | None = None) -> dict:
-    """A full-length decode batch over a random cache in shuffled blocks: cache, block_table, seq_lens, query.
-
-    `generator` (on `device`) makes the problem reproducible; None draws from torch's global one.
-    """
-    blocks_per_seq = -(-context // config.block_size)
-    return {
-        "cache": random_cache(module, config, batch * blocks_per_seq, num_kv_heads, device, generator),
-        "block_table": torch.randperm(batch * blocks_per_seq, device=device, generator=generator).to(torch.int32)
-                            .view(batch, blocks_per_seq),
-        "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=device),
-        "query": torch.randn(batch, num_q_heads, config.head_dim, dtype=torch.float16, device=device,
-                             generator=generator),
-    }
 
 
 def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *, ceiling_gbps: float,
@@ -189,7 +140,6 @@ def bench_store(module: ModuleType, config: Config, num_tokens: int, *, ceiling_
     """Quantize num_tokens fp16 (key, value) pairs into shuffled slots; bytes = fp16 read + slots written."""
     import triton
 
-    from .testing import codebook_kwargs
 
     key = torch.randn(num_tokens, num_kv_heads, config.head_dim, dtype=torch.float16, device=device)
     value = torch.randn_like(key)
@@ -216,7 +166,6 @@ def bench_dequantize(module: ModuleType, config: Config, batch: int, context: in
     """
     import triton
 
-    from .testing import codebook_kwargs
 
     problem = random_problem(module, config, batch, context, num_kv_heads, num_kv_heads, device)
     codebook = codebook_kwargs(module, device)

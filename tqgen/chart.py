@@ -1,7 +1,7 @@
 """Draw `tqgen bench` JSON as a PNG: achieved bandwidth against context, one line per preset.
 
 One panel per batch size; the copy ceiling measured in the same run and 80% of
-it (perf.md's target) are drawn as horizontal lines. matplotlib is optional
+it (the target for the 3/4-bit presets) are drawn as horizontal lines. matplotlib is optional
 (`pip install 'tqgen[chart]'`); everything else in tqgen works without it.
 """
 

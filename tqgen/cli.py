@@ -1,4 +1,4 @@
-"""The `tqgen` command line: a thin layer over config, render, emit and verify.
+"""The `tqgen` command line: a thin layer over config, render, emit, tuner and testing.
 
 Errors a user can cause print one line, `tqgen: error: ...`, and exit 2.
 """
@@ -73,10 +73,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _show_tuned(config, tuned_dir) -> None:
-    from . import emit, tuned
+    from . import emit, tuned_files
 
     root = Path(tuned_dir) if tuned_dir else emit.default_tuned_dir()
-    baked = tuned.baked_launches(root, config, lambda message: print(f"  {message}"))
+    baked = tuned_files.baked_launches(root, config, lambda message: print(f"  {message}"))
     current = None
     if _cuda_available():
         import torch
@@ -109,7 +109,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         if os.environ["TRITON_INTERPRET"] != "1":
             raise TqgenError("--device cpu needs Triton's interpreter; unset TRITON_INTERPRET or set it to 1")
-    from . import emit, verify
+    from . import emit, testing
 
     failed = 0
     for path in args.configs:
@@ -117,10 +117,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         module = emit.load(config, args.cache_dir)
         print(f"{path}: {config.artifact_name()} on {device}", flush=True)
 
-        def show(result: verify.CheckResult) -> None:
+        def show(result: testing.CheckResult) -> None:
             print(f"  {'ok  ' if result.passed else 'FAIL'} {result.name:28s}{result.detail}", flush=True)
 
-        results = verify.run_checks(module, config, device=device, seed=args.seed, progress=show)
+        results = testing.run_checks(module, config, device=device, seed=args.seed, progress=show)
         failed += sum(not r.passed for r in results)
     if failed:
         print(f"{failed} check(s) failed")
@@ -208,10 +208,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from . import config as config_mod
 
     configs = [config_mod.load(path) for path in args.configs]
-    from . import emit, tune, tuned
+    from . import emit, tuned_files, tuner
     from .buckets import default_buckets
 
-    space = tune.SearchSpace(**{field: tuple(values) for field, values in (
+    space = tuner.SearchSpace(**{field: tuple(values) for field, values in (
         ("block_kv", args.block_kv), ("num_warps", args.warps), ("num_stages", args.stages),
         ("num_splits", args.splits)) if values})
     if any(v < 32 or v & (v - 1) for v in space.block_kv):
@@ -220,7 +220,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         raise TqgenError("tune: --warps, --stages and --splits take positive integers")
     buckets = default_buckets(args.group_size, args.batch, args.context)
     root = Path(args.tuned_dir) if args.tuned_dir else emit.default_tuned_dir()
-    fingerprint = tuned.device_fingerprint()
+    fingerprint = tuned_files.device_fingerprint()
     errors = []
     for config in (emit.as_config(c) for c in configs):
         print(f"{config.name}: {len(buckets)} buckets x {len(space.candidates())} candidates on "
@@ -228,7 +228,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         started = time.monotonic()
         try:
             module = emit.load(config, args.cache_dir, tuned_dir=root)
-            path = tune.tune(config, module, buckets, space, root=root, fingerprint=fingerprint,
+            path = tuner.tune(config, module, buckets, space, root=root, fingerprint=fingerprint,
                              num_kv_heads=args.kv_heads, force=args.force,
                              progress=lambda line: print("  " + line, flush=True))
         except TqgenError as exc:  # the next config is independent: tune it, fail at the end
@@ -310,7 +310,7 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch", type=int, nargs="+", metavar="B", help="with --context: every batch x context")
     bench.add_argument("--context", type=int, nargs="+", metavar="T")
     bench.add_argument("--shapes", nargs="+", metavar="BxT", default=list(DEFAULT_BENCH_SHAPES),
-                       help="batch x context pairs (default: perf.md's: %(default)s)")
+                       help="batch x context pairs (default: the BENCHMARKS.md grid's: %(default)s)")
     bench.add_argument("--q-heads", type=int, default=32)
     bench.add_argument("--kv-heads", type=int, default=8)
     bench.add_argument("--ops", nargs="+", choices=("decode", "store", "dequantize"),

@@ -121,7 +121,7 @@ def rotate_keys(key, rotation):
 def decision_boundaries(centroid_values):
     """Midpoints between sorted centroids, float32; a code is the count of boundaries <= y.
 
-    Comparing `y >= boundary` sends ties to the upper bucket (format.md). The
+    Comparing `y >= boundary` sends ties to the upper bucket (docs/format.md). The
     store launcher and the reference both call this, so they compare against
     bit-identical boundaries.
     """

@@ -35,7 +35,7 @@ ROTATIONS = ("hadamard", "random")
 OUTPUT_DTYPES = ("auto", "float16", "bfloat16", "float32")
 HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 64, 256, 8
 BLOCK_SIZES = tuple(2**i for i in range(0, 10))  # 1 .. 512 tokens per page
-# "slots": format.md's layout, byte-compatible with the seed (the default).
+# "slots": the cache vLLM's TurboQuant backend allocates, byte-compatible (the default; docs/format.md).
 # "planes": tqgen's own page-planar layout, same bytes per token, aligned for wide loads (layout.py).
 CACHE_LAYOUTS = ("slots", "planes")
 PLANES_MIN_BLOCK_SIZE = 8  # every plane of a page then starts 16-byte aligned

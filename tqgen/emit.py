@@ -12,7 +12,6 @@ import hashlib
 import importlib.util
 import os
 import sys
-import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Union
@@ -20,6 +19,7 @@ from typing import Union
 from . import config as config_mod
 from .config import Config
 from .errors import TqgenError
+from .files import write_atomic
 from .render import render
 
 ConfigLike = Union[Config, str, os.PathLike]
@@ -52,41 +52,16 @@ def as_config(config_or_path: ConfigLike) -> Config:
     return config_mod.resolve_arch(config)
 
 
-def write_atomic(path: Path, data: bytes) -> bool:
-    """Replace `path` with `data` atomically; returns False (and writes nothing) if unchanged."""
-    try:
-        if path.read_bytes() == data:
-            return False
-    except FileNotFoundError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return True
-
-
 def build(config_or_path: ConfigLike, out_dir: str | os.PathLike | None = None,
           tuned_dir: str | os.PathLike | None = None) -> Path:
     """Render one config, with the tuned launches found for it, and write its module; returns its path."""
-    from . import tuned as tuned_store
+    from . import tuned_files
 
     config = as_config(config_or_path)
     out = Path(out_dir) if out_dir is not None else default_cache_dir()
     path = out / f"{config.artifact_name()}.py"
     root = Path(tuned_dir) if tuned_dir is not None else default_tuned_dir()
-    source = render(config, tuned_store.baked_launches(root, config, _warn))
+    source = render(config, tuned_files.baked_launches(root, config, _warn))
     try:
         write_atomic(path, source.encode("utf-8"))
     except OSError as exc:

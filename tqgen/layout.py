@@ -1,6 +1,6 @@
 """The byte layout of one cache slot: the single source of truth.
 
-A slot holds one token's key and value for one KV head (format.md):
+A slot holds one token's key and value for one KV head (docs/format.md):
 
     MSE keys:  [key codes | key norm fp16] [value codes | value scale fp16 | value zero fp16] [pad]
     FP8 keys:  [key bytes (e4m3fn)       ] [value codes | value scale fp16 | value zero fp16] [pad]
@@ -12,7 +12,7 @@ offsets from `Layout`; nothing else computes them.
 
 Two cache layouts hold those slots (config `cache_layout`):
 
-- "slots" (default, format.md, the seed's): uint8 [num_blocks, page, num_kv_heads,
+- "slots" (default, docs/format.md: the cache vLLM allocates): uint8 [num_blocks, page, num_kv_heads,
   slot_bytes]; each token's slot is contiguous.
 - "planes" (tqgen's own): uint8 [num_blocks, num_kv_heads, page * slot_bytes]. One
   KV head's page is the page's slots transposed record by record: a *record* is a
@@ -29,7 +29,7 @@ Two cache layouts hold those slots (config `cache_layout`):
   With norm correction (config `norm_correction`), "planes" also stores the key norm
   already corrected: ||k|| / sqrt(sum c^2 + 1e-16) of the token's centroids c, so that
   decode scales each score by the stored norm alone (`key_norm_corrected`). "slots" keeps
-  format.md's plain norm, and its decode divides by the centroid norm itself.
+  docs/format.md's plain norm, and its decode divides by the centroid norm itself.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ import math
 
 from .config import Config
 
+# The fp16 fields' record sizes in "planes": a key norm, and a value's scale and zero side by side.
+KEY_NORM_BYTES = 2
+VALUE_SCALE_ZERO_BYTES = 4
+
 
 # Split 3-bit codes ("planes"), per group of 8: the code held by each 2-bit field of the
 # low word, and by each bit of the high byte. With these orders the low and high bits of
@@ -46,6 +50,28 @@ from .config import Config
 # k at bits 4k..4k+2) with three masked shifts of the group word: decode's codebook lookup.
 SPLIT_LOW_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 SPLIT_HIGH_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeField:
+    """One packed field of codes (or fp8 key bytes) as the kernels address it."""
+    prefix: str  # "KEY" or "VALUE": the field's layout constants are {prefix}_CODE_OFFSET, {prefix}_CODE_BYTES, ...
+    label: str  # what the field holds, for docstrings
+    bits: int  # per element: 8 for fp8 key bytes
+    offset: int  # slot byte where the field starts
+    nbytes: int  # bytes per token (a planes record)
+    split: bool  # 3-bit codes split into a 2-bit low stream and a 1-bit high stream ("planes")
+    high_bits_at: int | None  # split codes: byte of the record where the high-bit stream starts
+
+    @property
+    def alignment(self) -> int:
+        """How each token's record of this field is aligned in "planes"."""
+        return row_alignment(self.nbytes)
+
+    @property
+    def high_bits_alignment(self) -> int:
+        """Split codes: how the high-bit stream of each token's record is aligned in "planes"."""
+        return row_alignment(self.high_bits_at, self.alignment)
 
 
 def row_alignment(*sizes: int) -> int:
@@ -78,6 +104,24 @@ class Layout:
     def planes(self) -> bool:
         return self.cache_layout == "planes"
 
+    # --- the cache tensor ---------------------------------------------------
+    @property
+    def heads_dim(self) -> int:
+        """The KV-head dim of the cache tensor."""
+        return 1 if self.planes else 2
+
+    @property
+    def cache_stride_dims(self) -> tuple[int, ...]:
+        """The dims of the cache tensor whose strides the kernels take (block, [position,] head)."""
+        return (0, 1) if self.planes else (0, 1, 2)
+
+    @property
+    def cache_shape_text(self) -> str:
+        """The cache tensor's shape, as docstrings and errors spell it."""
+        if self.planes:
+            return f"[num_blocks, num_kv_heads, {self.page_bytes}] (page-planar)"
+        return f"[num_blocks, {self.page_size}, num_kv_heads, {self.slot_bytes}]"
+
     # --- keys -------------------------------------------------------------
     @property
     def key_fp8(self) -> bool:
@@ -101,7 +145,7 @@ class Layout:
     def key_norm_corrected(self) -> bool:
         """Whether the stored key norm is already divided by the norm of the token's centroid
         vector ("planes" with norm correction): decode then needs no centroid squares, which
-        cost the tensor-core stage 1 a second MMA and 10 registers (BENCHMARKS.md)."""
+        cost the tensor-core stage 1 a second MMA and 10 registers (ptxas, sm90)."""
         return self.planes and not self.key_fp8 and self.norm_correction
 
     @property
@@ -115,7 +159,7 @@ class Layout:
 
     @property
     def key_packed_bytes(self) -> int:
-        """KPS in format.md: every key byte of the slot."""
+        """KPS (key packed size): every key byte of the slot."""
         return self.key_code_bytes + (0 if self.key_fp8 else 2)
 
     # --- values -----------------------------------------------------------
@@ -184,6 +228,32 @@ class Layout:
     def split_high_bits(self, bits: int) -> bool:
         """3-bit codes in "planes" are a 2-bit low stream then a 1-bit high stream."""
         return self.planes and bits == 3
+
+    @property
+    def key_codes(self) -> CodeField:
+        label = "fp8 key bytes" if self.key_fp8 else "key codes"
+        return self._code_field("KEY", label, self.key_bits, self.key_code_offset, self.key_code_bytes)
+
+    @property
+    def value_codes(self) -> CodeField:
+        return self._code_field("VALUE", "value codes", self.value_bits, self.value_code_offset,
+                                self.value_code_bytes)
+
+    def _code_field(self, prefix: str, label: str, bits: int, offset: int, nbytes: int) -> CodeField:
+        split = self.split_high_bits(bits)
+        return CodeField(prefix, label, bits, offset, nbytes, split, self.high_bits_offset if split else None)
+
+    def split_shift_terms(self, stream: str) -> tuple[int, ...]:
+        """Split 3-bit codes: where code k of a group goes in its word of the `stream` ("low" bits at
+        2-bit fields, "high" bits at 1-bit fields) as a sum over the bits of k, k = k0 + 2 k1 + 4 k2:
+        (shift of k0, of k1, of k2). The orders permute code bits, so the position is linear in them."""
+        if stream == "low":
+            position = [2 * SPLIT_LOW_ORDER.index(code) for code in range(8)]
+        else:
+            position = [SPLIT_HIGH_ORDER.index(code) for code in range(8)]
+        terms = tuple(position[1 << bit] for bit in range(3))
+        assert all(position[code] == sum(terms[b] for b in range(3) if code >> b & 1) for code in range(8))
+        return terms
 
     @property
     def has_split_codes(self) -> bool:

@@ -1,14 +1,15 @@
 """Plain PyTorch reference of store, dequantize and decode.
 
 Written for clarity, not speed: per-field byte slicing driven by `Layout`,
-float64 by default. The tests compare the generated kernels against it, and
-`tqgen verify` does the same on random data.
+float64 by default. Every function takes the config's `Layout` (built once by the
+caller: `Layout.from_config(config)`, or `Plan.layout`). The tests compare the
+generated kernels against it, and `tqgen verify` does the same on random data.
 
-Conventions (format.md):
+Conventions (docs/format.md):
 - MSE keys: stored as codes of `y = (k / (||k|| + 1e-8)) @ rotation` plus the
   fp16 norm. Reconstruction: `k_hat = n * c_hat @ rotation.T` where `c_hat` is
   the centroid vector, divided by its own norm when norm correction is on.
-  (format.md writes the decode-side query rotation as `q @ Pi^T`, which equals
+  (vLLM writes the decode-side query rotation as `q @ Pi^T`, which equals
   `q @ Pi` for the symmetric Hadamard matrix; for a general orthogonal matrix
   the consistent choice is `q @ Pi`, which tqgen uses everywhere.)
 - FP8 keys: e4m3fn bytes of the key clamped to +-448 (saturating).
@@ -22,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from .codebook import decision_boundaries, rotate_keys
-from .config import Config
 from .layout import SPLIT_HIGH_ORDER, SPLIT_LOW_ORDER, Layout
 
 FP8_MAX = 448.0
@@ -125,17 +125,15 @@ def pages_to_slots(layout: Layout, pages: torch.Tensor) -> torch.Tensor:
     return torch.cat(records, dim=-1)
 
 
-def as_slots(config: Config, kv_cache: torch.Tensor) -> torch.Tensor:
+def as_slots(layout: Layout, kv_cache: torch.Tensor) -> torch.Tensor:
     """The cache in the "slots" layout (a copy for a "planes" cache)."""
-    layout = Layout.from_config(config)
     return pages_to_slots(layout, kv_cache) if layout.planes else kv_cache
 
 
 # --- encoding one slot -------------------------------------------------------
-def encode_slots(config: Config, key: torch.Tensor, value: torch.Tensor,
+def encode_slots(layout: Layout, key: torch.Tensor, value: torch.Tensor,
                  rotation: torch.Tensor | None, centroids: torch.Tensor | None) -> torch.Tensor:
     """Quantize key/value [..., D] into slot bytes [..., slot_bytes] (uint8)."""
-    layout = Layout.from_config(config)
     lead = key.shape[:-1]
     slots = torch.zeros(*lead, layout.slot_bytes, dtype=torch.uint8, device=key.device)
     if layout.key_fp8:
@@ -172,14 +170,13 @@ def corrected_norm(norm: torch.Tensor, centroids: torch.Tensor, dtype=torch.floa
     return torch.clamp_max(norm.to(dtype) / torch.sqrt((c * c).sum(-1) + 1e-16), 65504.0)
 
 
-def corrected_key_norms(config: Config, slots: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Slot bytes [..., slot_bytes] with plain key norms (format.md's, as "slots" stores them) -> a copy
+def corrected_key_norms(layout: Layout, slots: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Slot bytes [..., slot_bytes] with plain key norms (docs/format.md's, as "slots" stores them) -> a copy
     with each norm divided by the norm of its token's centroids, as "planes" stores them under
     norm correction (Layout.key_norm_corrected): what `slots_to_pages` needs first to turn a slots
-    cache into a valid planes cache of that config. The fp16 norm is rounded again, so a store into
+    cache into a valid planes cache of that layout. The fp16 norm is rounded again, so a store into
     planes may differ from this by one unit in the last place. Unchanged where the layout does not
     correct norms."""
-    layout = Layout.from_config(config)
     out = slots.clone()
     if not layout.key_norm_corrected:
         return out
@@ -190,13 +187,12 @@ def corrected_key_norms(config: Config, slots: torch.Tensor, centroids: torch.Te
     return out
 
 
-def store(config: Config, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+def store(layout: Layout, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
           slot_mapping: torch.Tensor, rotation: torch.Tensor | None = None,
           centroids: torch.Tensor | None = None) -> None:
     """Write key/value [N, Hkv, D] into kv_cache at slot_mapping [N]; negative slots are skipped."""
-    slots = encode_slots(config, key, value, rotation, centroids)  # [N, Hkv, slot_bytes]
-    layout = Layout.from_config(config)
-    cache = as_slots(config, kv_cache)
+    slots = encode_slots(layout, key, value, rotation, centroids)  # [N, Hkv, slot_bytes]
+    cache = as_slots(layout, kv_cache)
     page = layout.page_size
     keep = slot_mapping >= 0
     mapping = slot_mapping[keep].to(torch.int64)
@@ -206,10 +202,9 @@ def store(config: Config, key: torch.Tensor, value: torch.Tensor, kv_cache: torc
 
 
 # --- decoding ----------------------------------------------------------------
-def decode_slots(config: Config, slots: torch.Tensor, rotation: torch.Tensor | None,
+def decode_slots(layout: Layout, slots: torch.Tensor, rotation: torch.Tensor | None,
                  centroids: torch.Tensor | None, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """Slot bytes [..., slot_bytes] -> (k_hat, v_hat) [..., D] in the unrotated domain."""
-    layout = Layout.from_config(config)
     d = layout.head_dim
     if layout.key_fp8:
         k = slots[..., : layout.key_code_bytes].contiguous().view(torch.float8_e4m3fn).to(dtype)
@@ -237,13 +232,13 @@ def gather_slots(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
     return kv_cache[blocks, t % page]
 
 
-def dequantize(config: Config, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+def dequantize(layout: Layout, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                rotation: torch.Tensor | None = None, centroids: torch.Tensor | None = None,
                max_len: int | None = None, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V [B, Hkv, max_len, D]; positions at or past seq_len are zero."""
-    kv_cache = as_slots(config, kv_cache)
+    kv_cache = as_slots(layout, kv_cache)
     batch = block_table.shape[0]
-    hkv, d = kv_cache.shape[2], config.head_dim
+    hkv, d = kv_cache.shape[2], layout.head_dim
     lens = [int(x) for x in seq_lens.tolist()]
     if max_len is None:
         max_len = max(lens, default=0)
@@ -253,17 +248,17 @@ def dequantize(config: Config, kv_cache: torch.Tensor, block_table: torch.Tensor
         n = min(n, max_len)
         if n == 0:
             continue
-        k, v = decode_slots(config, gather_slots(kv_cache, block_table[b], n), rotation, centroids, dtype)
+        k, v = decode_slots(layout, gather_slots(kv_cache, block_table[b], n), rotation, centroids, dtype)
         k_out[b, :, :n] = k.transpose(0, 1)
         v_out[b, :, :n] = v.transpose(0, 1)
     return k_out, v_out
 
 
-def decode(config: Config, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+def decode(layout: Layout, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
            seq_lens: torch.Tensor, rotation: torch.Tensor | None = None, centroids: torch.Tensor | None = None,
            scale: float | None = None, dtype=torch.float64) -> torch.Tensor:
     """Decode attention [B, Hq, D] for one query token per sequence; seq_len 0 gives zeros."""
-    kv_cache = as_slots(config, kv_cache)
+    kv_cache = as_slots(layout, kv_cache)
     batch, hq, d = query.shape
     hkv = kv_cache.shape[2]
     group = hq // hkv
@@ -273,7 +268,7 @@ def decode(config: Config, query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     for b, n in enumerate(int(x) for x in seq_lens.tolist()):
         if n == 0:
             continue
-        k, v = decode_slots(config, gather_slots(kv_cache, block_table[b], n), rotation, centroids, dtype)
+        k, v = decode_slots(layout, gather_slots(kv_cache, block_table[b], n), rotation, centroids, dtype)
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, n, D]
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)
         scores = torch.einsum("hd,hnd->hn", query[b].to(dtype), k) * scale

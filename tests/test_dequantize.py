@@ -1,0 +1,91 @@
+"""Full dequantization to dense K/V (keys back in the unrotated domain)."""
+
+import pytest
+import torch
+
+from conftest import KERNEL_FORMATS, PRESETS, codebook_kwargs, make_config, planes_config_of, stored_cache
+from tqgen import reference
+from tqgen.layout import Layout
+from tqgen.testing import DEQUANT_TOLERANCE, relative_error
+
+SLOTS_FORMATS = [f"{p}-d128" for p in sorted(PRESETS)] + ["k3v4-d96", "k8v4-d64", "k3v4-d72"]
+
+
+def _config(cache_layout, spec):
+    if cache_layout == "planes":
+        return planes_config_of(spec)
+    preset, head_dim = spec.split("-d")
+    return make_config(preset, head_dim=int(head_dim))
+
+
+@pytest.mark.parametrize("cache_layout,spec", [("slots", spec) for spec in SLOTS_FORMATS]
+                         + [("planes", spec) for spec in KERNEL_FORMATS], ids=str)
+def test_dequantize_matches_reference(device, build_module, cache_layout, spec):
+    config = _config(cache_layout, spec)
+    head_dim = config.head_dim
+    module = build_module(config)
+    batch, cache = stored_cache(module, config, [1, 15, 17, 70, 0], device)
+    kwargs = codebook_kwargs(module, config, device)
+    keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.float32, **kwargs)
+    want_keys, want_values = reference.dequantize(Layout.from_config(config), cache, batch.block_table, batch.seq_lens,
+                                                  kwargs.get("rotation"), kwargs.get("centroids"))
+    assert keys.shape == (5, 2, 70, head_dim)
+    assert relative_error(keys, want_keys) < DEQUANT_TOLERANCE
+    assert relative_error(values, want_values) < DEQUANT_TOLERANCE
+    # Past each sequence's end: zeros (the whole of sequence 4, which is empty).
+    for b, n in enumerate(batch.seq_lens.tolist()):
+        assert torch.all(keys[b, :, n:] == 0) and torch.all(values[b, :, n:] == 0)
+
+
+def test_dequantized_keys_approximate_the_originals(device, build_module):
+    """Quantization error, not only agreement with the reference: unrotation must be right."""
+    config = make_config("k4v4")
+    module = build_module(config)
+    batch, cache = stored_cache(module, config, [64], device, num_kv_heads=1)
+    keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.float32)
+    original_keys = batch.key.float().transpose(0, 1).unsqueeze(0)
+    original_values = batch.value.float().transpose(0, 1).unsqueeze(0)
+    assert relative_error(keys, original_keys) < 0.15  # 4-bit Lloyd-Max: about 0.1
+    assert relative_error(values, original_values) < 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_outputs(device, build_module, dtype):
+    config = make_config("k3v3")
+    module = build_module(config)
+    batch, cache = stored_cache(module, config, [33, 8], device)
+    keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=dtype, max_len=40)
+    exact_keys, exact_values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.float32,
+                                                 max_len=40)
+    assert keys.dtype == dtype and keys.shape == (2, 2, 40, 128)
+    if dtype == torch.float16:
+        assert torch.equal(keys, exact_keys.to(dtype)) and torch.equal(values, exact_values.to(dtype))
+    else:  # Triton's interpreter rounds fp32 -> bf16 toward zero; allow one bf16 step.
+        for got, exact in ((keys, exact_keys), (values, exact_values)):
+            assert torch.all((got.float() - exact).abs() <= exact.abs() * 2**-7)
+
+
+def test_dequantize_rejects_bad_arguments(device, build_module):
+    config = make_config("k3v4")
+    module = build_module(config)
+    batch, cache = stored_cache(module, config, [20], device)
+    with pytest.raises(module.LaunchError, match="dtype must be"):
+        module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.int8)
+    with pytest.raises(module.LaunchError, match="seq_lens has 2 entries"):
+        module.dequantize(cache, batch.block_table, torch.cat([batch.seq_lens, batch.seq_lens]))
+    with pytest.raises(module.LaunchError, match="rotation must be"):
+        module.dequantize(cache, batch.block_table, batch.seq_lens, rotation=torch.eye(64, device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_unrotation_in_chunks_equals_one_gemm(device, build_module, monkeypatch, dtype):
+    """Keys are un-rotated by GEMMs over chunks of rows; chunk edges must not show."""
+    config = make_config("k3v4", head_dim=96)  # random rotation: not its own transpose
+    module = build_module(config)
+    batch, cache = stored_cache(module, config, [37, 5], device)
+    whole = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=dtype)
+    monkeypatch.setattr(module, "_UNROTATE_ROWS", 7)  # 2 x 2 x 37 rows: 22 chunks, the last partial
+    chunked = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=dtype)
+    # A GEMM library may sum in another order for another row count: equal up to rounding.
+    torch.testing.assert_close(chunked[0], whole[0])
+    torch.testing.assert_close(chunked[1], whole[1], rtol=0, atol=0)

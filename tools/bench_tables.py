@@ -1,0 +1,48 @@
+"""`tqgen bench --json` output as BENCHMARKS.md's tables: one per preset and cache layout.
+
+    python3 tools/bench_tables.py BENCH.json [BENCH.json ...]
+
+Decode rows: shape, whole-call time (CUDA-graph replay), % of the copy ceiling measured in
+the same run, and the speedup over fp16 SDPA of the same shape in that run. Store and
+dequantize rows: shape, time, % of the ceiling (bytes read + written).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+
+
+def tables(documents: list[dict]) -> str:
+    decode = collections.defaultdict(list)
+    ops = collections.defaultdict(list)
+    runs = []
+    for document in documents:
+        meta = document["metadata"]
+        runs.append(f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
+                    f"{meta['q_heads']}/{meta['kv_heads']} heads, copy ceiling {document['copy_ceiling_gbps']:.0f} GB/s")
+        for row in document["rows"]:
+            decode[row["config"]].append(row)
+        for row in document.get("op_rows", []):
+            ops[row["config"]].append(row)
+    lines = [f"Runs: {'; '.join(runs)}.", ""]
+    for config in sorted(decode, key=lambda name: (name.endswith("planes"), name)):
+        layout = "planes" if config.endswith("planes") else "slots"
+        lines += [f"### {config.split('-')[0]}, {layout} ({config})", "",
+                  "| batch x context | us | % of ceiling | x fp16 SDPA | fp16 SDPA us | launch |", "|---|---|---|---|---|---|"]
+        for row in sorted(decode[config], key=lambda r: (r["batch"], r["context"])):
+            lines.append(f"| {row['batch']} x {row['context']} | {row['graph_us']:.1f} | {row['ceiling_pct']:.1f} "
+                         f"| {row['speedup_vs_sdpa']:.2f} | {row['sdpa_us']:.1f} | {row['launch']} |")
+        lines.append("")
+    if ops:
+        lines += ["### store and dequantize", "", "| config | op | shape | us | % of ceiling |", "|---|---|---|---|---|"]
+        for config in sorted(ops):
+            for row in ops[config]:
+                lines.append(f"| {config} | {row['op']} | {row['shape']} | {row['graph_us']:.1f} | {row['ceiling_pct']:.1f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(tables([json.load(open(path)) for path in sys.argv[1:]]))

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU run: every kernel test on the device, compute-sanitizer (memcheck and
+# racecheck) over every kernel of every shipped config, then the benchmark
+# table, printed last (with a PNG chart when matplotlib is installed).
+# The full grid of BENCHMARKS.md: TQGEN_BENCH_ARGS="--batch 1 8 32 64 128 --context 1024 4096 16384 65536".
+# Usage (on a CUDA machine, from the repository root): bash tools/run_gpu.sh [OUT_DIR]
+# TQGEN_GPU_STEPS picks steps (default "tests sanitize bench").
+set -u
+out=${1:-${OUT:-/tmp/tqgen-gpu}}
+steps=${TQGEN_GPU_STEPS:-tests sanitize bench}
+mkdir -p "$out"
+# Modules are built outside OUT: the device tool returns only a few files from OUT,
+# and a dozen generated modules there crowded out the logs and tuned files.
+export PYTHONUNBUFFERED=1 TQGEN_CACHE_DIR="${TQGEN_CACHE_DIR:-/tmp/tqgen-gpu-modules}"
+python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}')"
+status=0
+if [[ $steps == *tests* ]]; then
+    # With pytest-xdist (the device image has it), 8 workers share the GPU: 564 tests in about 2 minutes.
+    workers=""; python3 -c "import xdist" 2>/dev/null && workers="-n 8"
+    python3 -m pytest -m gpu -q -p no:cacheprovider $workers --durations=5 2>&1 | tee "$out/pytest-gpu.log" | tail -25
+    rc=${PIPESTATUS[0]}; echo "gpu tests exit code: $rc"; (( rc )) && status=1
+fi
+if [[ $steps == *sanitize* ]]; then
+    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_kernels.py \
+        > "$out/memcheck.log" 2>&1
+    rc=$?; tail -4 "$out/memcheck.log"; echo "memcheck exit code: $rc"; (( rc )) && status=1
+    timeout 400 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_kernels.py \
+        > "$out/racecheck.log" 2>&1
+    rc=$?; tail -3 "$out/racecheck.log"; echo "racecheck exit code: $rc"; (( rc )) && status=1
+fi
+if [[ $steps == *bench* ]]; then
+    bench_args=${TQGEN_BENCH_ARGS:-}
+    chart=""  # the chart draws decode rows: only when matplotlib is there and decode is timed
+    if python3 -c "import matplotlib" 2>/dev/null && { [[ $bench_args != *--ops* ]] || [[ $bench_args == *decode* ]]; }; then
+        chart="--chart $out/bench.png"
+    fi
+    python3 -m tqgen.cli bench configs/k8v4-d128.yaml configs/k4v4-d128.yaml configs/k3v4-d128.yaml \
+        configs/k3v3-d128.yaml configs/k8v4-d128-planes.yaml configs/k4v4-d128-planes.yaml \
+        configs/k3v4-d128-planes.yaml configs/k3v3-d128-planes.yaml --json "$out/bench.json" $chart $bench_args 2>&1 \
+        | tee "$out/bench.log" | grep -v '^\['
+    rc=${PIPESTATUS[0]}; echo "bench exit code: $rc"; (( rc )) && status=1
+fi
+exit "$status"

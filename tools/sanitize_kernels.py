@@ -1,0 +1,35 @@
+"""Launch every kernel of every shipped config once, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_kernels.py [CONFIG...]
+
+Ragged batches end mid-page, the block table has unused columns, and the
+cache has unused blocks, so any read past a sequence's tokens or write outside
+the given slots shows up as an error.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import tqgen  # noqa: E402
+from tqgen import emit  # noqa: E402
+from tqgen.testing import codebook_kwargs, paged_batch  # noqa: E402
+
+paths = sys.argv[1:] or sorted(str(p) for p in Path(__file__).resolve().parent.parent.glob("configs/*.yaml"))
+for path in paths:
+    config = emit.as_config(path)
+    module = tqgen.load(config)
+    kwargs = codebook_kwargs(module, "cuda")
+    page = config.block_size
+    batch = paged_batch(config, [1, page - 1, page + 3, 5 * page + 7, 0], 4, device="cuda",
+                        generator=torch.Generator().manual_seed(0))
+    cache = module.make_cache(batch.num_blocks, 4, "cuda")
+    module.store(batch.key, batch.value, cache, batch.slot_mapping, **kwargs)
+    query = torch.randn(5, 12, config.head_dim, device="cuda", dtype=torch.float16)  # group size 3
+    for num_splits in (1, 4):
+        module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=num_splits, **kwargs)
+    module.dequantize(cache, batch.block_table, batch.seq_lens, **kwargs)
+    torch.cuda.synchronize()
+    print(f"{path}: store, decode (1 and 4 splits), dequantize ran", flush=True)

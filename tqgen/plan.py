@@ -1,0 +1,290 @@
+"""The kernel plan of one config: its byte layout plus every per-arch kernel decision.
+
+`Plan.from_config` is the one object the templates read (render.py hands them
+`plan.template_names()`): the layout's facts and named constants, which kernels a
+module carries and which paths they take on its arch, and the few expressions that
+are generated from layout facts (code selectors, field addresses). Nothing in the
+templates computes an offset or a bit position; nothing here renders text beyond
+single expressions.
+
+Decisions, each with its reason:
+- `fp8_hardware`: sm89 and later convert e4m3 to fp16 in hardware; older archs move
+  the bit fields (Triton's float8e4b15 is a different format).
+- `mma_stage1`: the Gluon stage 1 on mma.sync exists for "planes" at head_dim 64, 128
+  or 256 (each lane then decodes whole units of a record) with MSE keys or hardware
+  fp8, and 4-bit values, or 3-bit values from head_dim 128 (a lane's low-bit words then
+  fill 32-bit loads).
+- `stage1_rotates_query`: "planes" MSE keys under the Hadamard rotation at head_dim 128
+  (the only one timed): the tl.dot stage 1 can rotate the query itself at small batches,
+  one launch fewer than tq_prepare_query.
+- `min_capability`: 8.9 for hardware fp8 keys, else 8.0 (mma.sync, cp.async).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import codebook
+from .config import Config
+from .layout import KEY_NORM_BYTES, SPLIT_HIGH_ORDER, SPLIT_LOW_ORDER, VALUE_SCALE_ZERO_BYTES, CodeField, Layout
+
+# Archs with a hardware e4m3 -> fp16 converter that Triton uses.
+FP8_HARDWARE_ARCHES = ("sm89", "sm90", "sm100")
+# Head dims the Gluon stage 1's tiles divide.
+MMA_HEAD_DIMS = (64, 128, 256)
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    config: Config
+    layout: Layout
+
+    @classmethod
+    def from_config(cls, config: Config) -> "Plan":
+        if config.arch == "auto":
+            raise ValueError("resolve the arch (config.resolve_arch) before planning kernels")
+        return cls(config, Layout.from_config(config))
+
+    # --- shapes -------------------------------------------------------------
+    @property
+    def D(self) -> int:  # noqa: N802 (the templates' name for the head dim)
+        return self.config.head_dim
+
+    @property
+    def D_PAD(self) -> int:  # noqa: N802
+        """The head dim rounded up to a power of two: the width of a tensor of head dims."""
+        return next_power_of_two(self.config.head_dim)
+
+    @property
+    def GROUPS(self) -> int:  # noqa: N802
+        """Groups of 8 codes per code plane in the tl.dot stage 1; >= 16 because tl.dot needs K >= 16."""
+        return max(16, next_power_of_two(self.config.head_dim // 8))
+
+    @property
+    def PAGE(self) -> int:  # noqa: N802
+        return self.config.block_size
+
+    @property
+    def padded_dims(self) -> bool:
+        """Whether tensors of head dims are wider than the head dim (masks needed past it)."""
+        return self.D != self.D_PAD
+
+    @property
+    def padded_groups(self) -> bool:
+        """Whether tensors of code groups (GROUPS, or D_PAD // 8) are wider than the head dim's D // 8."""
+        return self.GROUPS != self.D // 8
+
+    @property
+    def table_registers(self) -> int:
+        """int32 registers per codebook byte table: 4 entries each, 8 entries at least."""
+        return max(2, 2**self.layout.key_bits // 4)
+
+    # --- per-arch decisions (see the module docstring) ------------------------
+    @property
+    def arch(self) -> str:
+        return self.config.arch
+
+    @property
+    def key_fp8(self) -> bool:
+        return self.layout.key_fp8
+
+    @property
+    def planes(self) -> bool:
+        return self.layout.planes
+
+    @property
+    def fp8_hardware(self) -> bool:
+        return self.config.arch in FP8_HARDWARE_ARCHES
+
+    @property
+    def mma_stage1(self) -> bool:
+        layout = self.layout
+        keys_ok = not layout.key_fp8 or self.fp8_hardware
+        values_ok = layout.value_bits == 4 or (layout.value_bits == 3 and layout.head_dim >= 128)
+        return layout.planes and keys_ok and values_ok and layout.head_dim in MMA_HEAD_DIMS
+
+    @property
+    def hadamard_keys(self) -> bool:
+        """MSE keys under the config's Hadamard rotation: the store rotates them by a Walsh-Hadamard transform."""
+        return not self.key_fp8 and self.config.rotation == "hadamard"
+
+    @property
+    def stage1_rotates_query(self) -> bool:
+        return self.hadamard_keys and self.planes and self.D == 128
+
+    @property
+    def min_capability(self) -> tuple[int, int]:
+        return (8, 9) if (self.key_fp8 and self.fp8_hardware) else (8, 0)
+
+    @property
+    def needs_ptx(self) -> bool:
+        """Whether the kernels use PTX helpers (byte permutes, fp16 pairs): planes MSE keys' codebook
+        lookup and the Gluon stage 1's value codes."""
+        return self.planes and (self.mma_stage1 or not self.key_fp8)
+
+    @property
+    def needs_hadamard(self) -> bool:
+        """Whether a kernel applies the Walsh-Hadamard transform (the store, and stage 1 rotating the query)."""
+        return self.hadamard_keys
+
+    @property
+    def halfword_loads(self) -> bool:
+        return self.layout.halfword_aligned
+
+    # --- fields -------------------------------------------------------------
+    @property
+    def key_codes(self) -> CodeField:
+        return self.layout.key_codes
+
+    @property
+    def value_codes(self) -> CodeField:
+        return self.layout.value_codes
+
+    @property
+    def cache_at(self) -> str:
+        """The arguments that locate a token in the cache, as the kernels' helpers take them."""
+        return "page_base, pos" if self.planes else "slot_base"
+
+    def at(self, field: str, within: int = 0) -> str:
+        """The byte offset, in a kernel, of `field` ("KEY_CODE", "KEY_NORM", "VALUE_CODE", "VALUE_SCALE",
+        "VALUE_ZERO") of each token, from the named layout constants: page_base + PLANE + pos * record
+        bytes in "planes", slot_base + OFFSET in "slots"; `within` bytes further into the field."""
+        if self.planes:
+            plane, record = {
+                "KEY_CODE": ("_KEY_CODE_PLANE", "_KEY_CODE_BYTES"),
+                "KEY_NORM": ("_KEY_NORM_PLANE", str(KEY_NORM_BYTES)),
+                "VALUE_CODE": ("_VALUE_CODE_PLANE", "_VALUE_CODE_BYTES"),
+                "VALUE_SCALE": ("_VALUE_SCALE_PLANE", str(VALUE_SCALE_ZERO_BYTES)),
+                "VALUE_ZERO": ("_VALUE_SCALE_PLANE", str(VALUE_SCALE_ZERO_BYTES)),
+            }[field]
+            within += 2 if field == "VALUE_ZERO" else 0
+            return f"page_base + {plane} + pos * {record}" + (f" + {within}" if within else "")
+        return f"slot_base + _{field}_OFFSET" + (f" + {within}" if within else "")
+
+    def cache_strides(self, tensor: str = "kv_cache") -> str:
+        """The launcher's stride arguments of the cache tensor."""
+        return ", ".join(f"{tensor}.stride({dim})" for dim in self.layout.cache_stride_dims)
+
+    # --- code expressions -------------------------------------------------------
+    def code_of(self, word: str, k: int, bits: int) -> str:
+        """Code k of a group word (layout.group_word_bit): contiguous bits, except split 3-bit codes."""
+        bit = self.layout.group_word_bit
+        if self.layout.split_high_bits(bits):
+            return f"(({word} >> {bit(3, k, 0)}) & 3) | (({word} >> {bit(3, k, 2) - 2}) & 4)"
+        return f"({word} >> {bit(bits, k, 0)}) & {2**bits - 1}"
+
+    def split_shift(self, stream: str, code: str) -> str:
+        """Split 3-bit codes: the shift of each code of a group (tensor `code` of 0..7) into its word of
+        `stream` ("low" or "high"), from the layout's orders (Layout.split_shift_terms)."""
+        first, second, third = self.layout.split_shift_terms(stream)
+        return f"({code} & 1) * {first} + ({code} >> 1 & 1) * {second} + ({code} >> 2) * {third}"
+
+    def nibble_selector(self, bits: int, word: str, first_code: int) -> str:
+        """Expression that moves codes first_code..first_code+3 of a group word into the four
+        nibbles of a byte-permute selector (code k at bits 4k..). Bits moved by the same shift
+        share one mask, so a bit stream costs a shift and a mask per distinct distance."""
+        masks: dict[int, int] = {}  # right shift -> mask of the destination bits
+        for k in range(4):
+            for bit in range(bits):
+                target = 4 * k + bit
+                shift = self.layout.group_word_bit(bits, first_code + k, bit) - target
+                masks[shift] = masks.get(shift, 0) | (1 << target)
+        terms = []
+        for shift, mask in sorted(masks.items()):
+            moved = word if shift == 0 else f"({word} >> {shift})" if shift > 0 else f"({word} << {-shift})"
+            terms.append(f"({moved} & 0x{mask:X})")
+        return terms[0][1:-1] if len(terms) == 1 else " | ".join(terms)
+
+    @property
+    def split_value_codes(self) -> list[tuple[str, int]]:
+        """For the Gluon stage 1's split 3-bit values: per code k of a group (0..7), the expression that
+        leaves code k at bits p..p+2 of each 16-bit half of `low`, `(low >> 8)` and `high` (a register
+        pairing two tokens' 16-bit low words, and their high bytes), and p. Empty unless values are split.
+
+        The two low bits are masked where they lie (bits 0..7 of `low` or of `low >> 8`); the high bit
+        is shifted in beside them. No other bit survives the masks, so each half reads as the fp16
+        subnormal code * 2**(p - 24), exact; p <= 7 keeps the code below the exponent bits (10..14).
+        """
+        layout = self.layout
+        if not layout.split_high_bits(layout.value_bits):
+            return []
+        terms = []
+        for code in range(8):
+            low_bit = layout.group_word_bit(3, code, 0)
+            assert layout.group_word_bit(3, code, 1) == low_bit + 1, "split low bits must be adjacent"
+            source, position = ("low", low_bit) if low_bit < 8 else ("(low >> 8)", low_bit - 8)
+            shift = position + 2 - (layout.group_word_bit(3, code, 2) - 16)
+            assert position <= 7 and -7 <= shift <= 8, (code, position, shift)
+            high = "high" if shift == 0 else f"(high << {shift})" if shift > 0 else f"(high >> {-shift})"
+            low_mask = (3 << position) * 0x10001
+            high_mask = (4 << position) * 0x10001
+            terms.append((f"({source} & 0x{low_mask:08X}) | ({high} & 0x{high_mask:08X})", position))
+        return terms
+
+    @staticmethod
+    def code_search(bits: int) -> list[str]:
+        """Statements that set `codes` to each element's key code by a binary search over the
+        2**bits - 1 sorted decision boundaries (scalars `boundary{j}`), for the store kernel.
+
+        Bit `bits - 1 - level` (`code_bit{i}`, booleans) compares `rotated` with the middle
+        boundary of the interval the bits above it chose: 2**level candidates, narrowed pairwise
+        by tl.where over those bits, newest first. Intermediate thresholds are named
+        (`threshold{i}_{fold}_{k}`) to keep each line short.
+        """
+        lines = []
+        for level in range(bits):
+            bit = bits - 1 - level
+            width = 1 << (bits - level)  # boundaries + 1 per candidate interval
+            candidates = [f"boundary{prefix * width + width // 2 - 1}" for prefix in range(1 << level)]
+            for fold, decided in enumerate(range(bit + 1, bits)):  # newest decided bit first
+                pairs = [f"tl.where(code_bit{decided}, {candidates[k + 1]}, {candidates[k]})"
+                         for k in range(0, len(candidates), 2)]
+                if len(pairs) == 1:
+                    candidates = pairs
+                    break
+                candidates = [f"threshold{bit}_{fold}_{k}" for k in range(len(pairs))]
+                lines += [f"{name} = {pair}" for name, pair in zip(candidates, pairs)]
+            lines.append(f"code_bit{bit} = rotated >= {candidates[0]}")
+        lines.append(f"codes = code_bit{bits - 1}.to(tl.int32) << {bits - 1}")
+        lines += [f"codes |= code_bit{bit}.to(tl.int32)" + (f" << {bit}" if bit else "")
+                  for bit in range(bits - 2, -1, -1)]
+        return lines
+
+    @staticmethod
+    def centroid_square_select(bits: int) -> list[str]:
+        """Statements that set `centroid_square` to each element's squared centroid from the bits
+        `code_search` decided (`code_bit{i}`) and scalars `centroid_square{j}`: a tree of tl.where
+        over the bits, highest (the search's first) first: 2**bits - 1 selects and no memory access,
+        for the store's norm correction. Intermediate values are named (`square{i}_{k}`) to keep
+        each line short."""
+        names = [f"centroid_square{j}" for j in range(2**bits)]
+        lines = []
+        for bit in range(bits - 1, -1, -1):
+            half = len(names) // 2
+            pairs = [f"tl.where(code_bit{bit}, {names[half + k]}, {names[k]})" for k in range(half)]
+            names = [f"square{bit}_{k}" for k in range(half)] if half > 1 else ["centroid_square"]
+            lines += [f"{name} = {pair}" for name, pair in zip(names, pairs)]
+        return lines
+
+    # --- what the templates read ------------------------------------------------
+    def template_names(self) -> dict:
+        """Every name the templates may use: the plan itself, its layout, and short names for the
+        facts used on most lines."""
+        layout = self.layout
+        return {
+            "plan": self,
+            "layout": layout,
+            "config": self.config,
+            "L": layout.constants(),
+            "D": self.D,
+            "D_PAD": self.D_PAD,
+            "PAGE": self.PAGE,
+            "key_fp8": self.key_fp8,
+            "planes": self.planes,
+            "levels": list(codebook.lloyd_max_levels(layout.key_bits)) if not self.key_fp8 else [],
+            "split_orders": (SPLIT_LOW_ORDER, SPLIT_HIGH_ORDER),
+        }

@@ -1,0 +1,226 @@
+"""The tuned files: `tuned/<device>/<artifact>.json`, what `tqgen tune` writes and `tqgen build` bakes.
+
+One JSON file per (device, config). Its `metadata` block says what the
+timings are valid for; `buckets` maps a shape bucket to the winning launch
+parameters and the timing of every candidate::
+
+    {"metadata": {"schema_version": 3, "device_name": "NVIDIA H200", "compute_capability": "9.0",
+                  "sm_count": 132, "triton_version": "3.6.0", "torch_version": "2.11.0",
+                  "config_hash": "...", "kernel_hash": "...", "template_hash": "...", "tqgen_version": "0.1.0",
+                  "date": "..."},
+     "buckets": {"g4_b32_t8192": {"group_size": 4, "batch": [17, 32], "context": [4097, 8192],
+                                  "best": {"block_kv": 32, "num_warps": 1, "num_stages": 1, "num_splits": 8},
+                                  "timings_us": {"kv32_w1_st1_sp8": 652.1, ...}, "rejected": {...}}}}
+
+`kernel_hash` (render.decode_kernel_hash) identifies the decode kernels the
+timings were taken on; `template_hash` is recorded for information only, so
+edits elsewhere in the templates keep the tuning.
+
+Rules (FlashInfer's): a file whose metadata does not match the running setup,
+or that cannot be parsed, is reported with its path and ignored, and never
+overwritten. Saving takes a lock, re-reads the file, merges one bucket and
+replaces the file atomically, so two tuners never lose each other's buckets
+and a killed tuner leaves the buckets it finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import __version__
+from .buckets import bucket_sort_key
+from .config import Config
+from .errors import TqgenError
+from .files import write_atomic
+
+# 2: matched on kernel_hash instead of template_hash; 3: kernel_hash over the decode path's definitions
+# (render.decode_kernel_hash), no longer over the text of a hand-kept list of templates.
+SCHEMA_VERSION = 3
+# Fields that must equal the running setup for a file's timings to be used.
+MATCHED_FIELDS = ("schema_version", "device_name", "compute_capability", "sm_count", "triton_version",
+                  "torch_version", "config_hash", "kernel_hash", "tqgen_version")
+# What a build (maybe on a machine without that GPU) can check: the kernels are the tuned ones.
+SOFTWARE_FIELDS = ("schema_version", "config_hash", "kernel_hash", "tqgen_version")
+LAUNCH_FIELDS = ("block_kv", "num_warps", "num_stages", "num_splits")
+LOCK_TIMEOUT_S = 60.0
+
+
+def device_fingerprint(device_index: int = 0) -> dict[str, Any]:
+    """What the running GPU and software stack are (needs CUDA)."""
+    import torch
+    import triton
+
+    props = torch.cuda.get_device_properties(device_index)
+    return {
+        "device_name": props.name,
+        "compute_capability": f"{props.major}.{props.minor}",
+        "sm_count": props.multi_processor_count,
+        "triton_version": triton.__version__,
+        "torch_version": torch.__version__.split("+")[0],
+    }
+
+
+def make_metadata(config: Config, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    from .render import decode_kernel_hash, template_hash
+
+    return {
+        "schema_version": SCHEMA_VERSION,
+        **{key: fingerprint[key] for key in ("device_name", "compute_capability", "sm_count", "triton_version",
+                                             "torch_version")},
+        "config_hash": config.hash(),
+        "kernel_hash": decode_kernel_hash(config),
+        "template_hash": template_hash(),
+        "tqgen_version": __version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def device_folder_name(device_name: str) -> str:
+    """'NVIDIA H200' -> 'NVIDIA_H200' (letters, digits, '.', '-', '_')."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", device_name).strip("_") or "device"
+
+
+def tuned_path(root: str | os.PathLike, device_name: str, config: Config) -> Path:
+    return Path(root) / device_folder_name(device_name) / f"{config.artifact_name()}.json"
+
+
+def candidate_id(launch: dict[str, int]) -> str:
+    return "kv{block_kv}_w{num_warps}_st{num_stages}_sp{num_splits}".format(**launch)
+
+
+class Unusable(Exception):
+    """A tuned file that exists but must be ignored (the message says why, with the path)."""
+
+
+def read(path: Path, expected: dict[str, Any], fields: tuple[str, ...] = MATCHED_FIELDS) -> dict[str, Any]:
+    """The buckets of a tuned file that matches `expected` metadata; {} if there is no file.
+
+    Raises `Unusable` for a file that is corrupt, truncated, of another shape,
+    or tuned for another setup (naming the fields that differ).
+    """
+    document = _read_document(path, expected, fields)
+    return document["buckets"] if document else {}
+
+
+def _read_document(path: Path, expected: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any] | None:
+    """The whole checked document (metadata and buckets), or None if there is no file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Unusable(f"{path}: cannot be read ({exc})") from None
+    try:
+        document = json.loads(text)
+    except ValueError as exc:
+        raise Unusable(f"{path}: corrupt or truncated JSON ({exc})") from None
+    if not (isinstance(document, dict) and isinstance(document.get("metadata"), dict)
+            and isinstance(document.get("buckets"), dict)):
+        raise Unusable(f"{path}: not a tuned file (expected 'metadata' and 'buckets' mappings)")
+    metadata = document["metadata"]
+    differing = [f"{field} {metadata.get(field)!r} != {expected.get(field)!r}" for field in fields
+                 if metadata.get(field) != expected.get(field)]
+    if differing:
+        raise Unusable(f"{path}: tuned for another setup ({'; '.join(differing)})")
+    for key, entry in document["buckets"].items():
+        best = entry.get("best") if isinstance(entry, dict) else None
+        if not (isinstance(best, dict) and all(isinstance(best.get(f), int) for f in LAUNCH_FIELDS)):
+            raise Unusable(f"{path}: bucket {key!r} has no valid 'best' launch")
+    return document
+
+
+@contextlib.contextmanager
+def locked(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """An exclusive advisory lock on `<path>.lock` (released when the process dies)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = path.with_name(path.name + ".lock")
+    with open(lock_path, "a+") as handle:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TqgenError(f"{lock_path}: still locked by another tuner after {timeout_s:.0f} s") from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def set_aside_unusable(path: Path, expected: dict[str, Any]) -> tuple[Path | None, dict[str, Any]]:
+    """Under the file's lock, check it again: if it is still unusable, rename it to
+    NAME.json.replaced-TIME beside it (a name no reader looks for) and return (new path, {});
+    if another tuner has replaced it meanwhile, return (None, its buckets). Nothing is deleted."""
+    with locked(path):
+        try:
+            return None, read(path, expected)
+        except Unusable:
+            pass
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        kept = path.with_name(f"{path.name}.replaced-{stamp}")
+        number = 1
+        while kept.exists():
+            number += 1
+            kept = path.with_name(f"{path.name}.replaced-{stamp}-{number}")
+        os.replace(path, kept)
+    return kept, {}
+
+
+def save_bucket(path: Path, metadata: dict[str, Any], key: str, entry: dict[str, Any]) -> None:
+    """Merge one bucket into the file under the lock and replace the file atomically.
+
+    Refuses (TqgenError) to touch a file that is corrupt or tuned for another
+    setup: that file is someone's data.
+    """
+    with locked(path):
+        try:
+            buckets = read(path, metadata)
+        except Unusable as exc:
+            raise TqgenError(f"not overwriting {exc}; move it away to re-tune") from None
+        buckets = {**buckets, key: entry}
+        ordered = dict(sorted(buckets.items(), key=lambda item: bucket_sort_key(item[0])))
+        document = {"metadata": metadata, "buckets": ordered}
+        write_atomic(path, (json.dumps(document, indent=1) + "\n").encode("utf-8"))
+
+
+def baked_launches(root: Path, config: Config, warn) -> dict[str, dict]:
+    """Every device's tuned launches for this config under `root`, as render() bakes them.
+
+    Files for other kernels (config, decode kernel source, tqgen version) or that
+    are corrupt are reported through `warn` and skipped.
+    """
+    from .render import decode_kernel_hash
+
+    baked: dict[str, dict] = {}
+    paths = sorted(p for p in root.glob(f"*/{config.artifact_name()}.json") if p.is_file()) if root.is_dir() else []
+    if not paths:
+        return baked  # no render of the decode kernels just to hash them
+    expected = {"schema_version": SCHEMA_VERSION, "config_hash": config.hash(),
+                "kernel_hash": decode_kernel_hash(config), "tqgen_version": __version__}
+    for path in paths:
+        device_dir = path.parent
+        try:
+            document = _read_document(path, expected, SOFTWARE_FIELDS)
+        except Unusable as exc:
+            warn(f"tqgen: ignoring {exc}")
+            continue
+        if not document or not document["buckets"]:
+            continue
+        metadata, buckets = document["metadata"], document["buckets"]
+        baked[metadata["device_name"]] = {
+            "triton_version": metadata["triton_version"],
+            "source": f"{device_dir.name}/{path.name} ({str(metadata.get('date', ''))[:10]})",
+            "buckets": {key: tuple(entry["best"][f] for f in LAUNCH_FIELDS) for key, entry in buckets.items()},
+        }
+    return baked

@@ -1,0 +1,169 @@
+"""`tqgen tune`: pick the decode launch per shape bucket on this GPU.
+
+For each bucket (query heads per KV head, batch, context) the tuner times
+every candidate launch (BLOCK_KV, num_warps, num_stages, split count) as a
+whole decode call (the split count changes stage 2 too), after checking that
+candidate's output against the float64 reference on a reduced copy of the
+problem (at most 2 sequences of at most 2048 tokens). The problem is drawn
+from a fixed seed (PROBLEM_SEED), so re-runs time and check the same data,
+and the caller's random state is left alone. Candidates that fail
+to compile or differ from the reference are recorded as rejected. Each
+finished bucket is saved at once (tuned_files.save_bucket: lock, merge, atomic
+replace), so a killed run keeps what it finished and a re-run resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from . import reference, tuned_files
+from .buckets import bucket_bounds, bucket_key
+from .config import Config
+from .errors import TqgenError
+from .layout import Layout
+from .testing import DECODE_TOLERANCE, codebook_kwargs, random_problem, relative_error
+
+CHECK_BATCH, CHECK_CONTEXT = 2, 2048
+# Every bucket is timed and checked on data drawn from this seed, so a tune is reproducible. The
+# check's relative error depends on the data (where the softmax-weighted mean of the values nearly
+# cancels, the same absolute error is a larger fraction of a smaller norm): over 300 fresh draws of
+# k3v4 at head_dim 64, batch 1 x 256 tokens, it reached 1.08e-3 of the 1.5e-3 limit, and a CI run
+# on fresh draws once rejected every candidate of that bucket.
+PROBLEM_SEED = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    block_kv: tuple[int, ...] = (32, 64)
+    num_warps: tuple[int, ...] = (1, 2, 4)
+    num_stages: tuple[int, ...] = (1, 2)
+    num_splits: tuple[int, ...] = (4, 8, 16, 32, 64)
+
+    def candidates(self) -> list[dict[str, int]]:
+        return [dict(zip(tuned_files.LAUNCH_FIELDS, values))
+                for values in itertools.product(self.block_kv, self.num_warps, self.num_stages, self.num_splits)]
+
+
+def cuda_graph_timer(fn: Callable[[], object]) -> float:
+    """Median milliseconds of a CUDA-graph replay of fn (decode is launch-bound at small sizes)."""
+    import triton
+
+    return triton.testing.do_bench_cudagraph(fn, return_mode="median")
+
+
+def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int, context: int,
+                space: SearchSpace, *, timer: Callable, num_kv_heads: int = 8, device="cuda") -> dict:
+    """Time every candidate of one bucket; returns the bucket's entry for the tuned file."""
+    started = time.monotonic()
+    generator = torch.Generator(device=device).manual_seed(PROBLEM_SEED)
+    problem = random_problem(module, config, batch, context, num_kv_heads * group_size, num_kv_heads, device,
+                             generator)
+    codebook = codebook_kwargs(module, device)
+    # The check reads a copy of the blocks its sequences use (the reference converts the whole cache
+    # it is given: a planes cache at 32 x 65536 would take tens of GB).
+    check_pages = (CHECK_CONTEXT + config.block_size - 1) // config.block_size
+    check_blocks = problem["block_table"][:CHECK_BATCH, :check_pages]
+    check = {"query": problem["query"][:CHECK_BATCH], "cache": problem["cache"][check_blocks.flatten().long()],
+             "block_table": torch.arange(check_blocks.numel(), dtype=torch.int32, device=device).view(check_blocks.shape),
+             "seq_lens": problem["seq_lens"][:CHECK_BATCH].clamp(max=CHECK_CONTEXT)}
+    expected = reference.decode(Layout.from_config(config), check["query"], check["cache"], check["block_table"], check["seq_lens"],
+                                codebook.get("rotation"), codebook.get("centroids"))
+    limit = DECODE_TOLERANCE[torch.float16]
+    out = torch.empty_like(problem["query"])
+    workspace = module.DecodeWorkspace(batch, problem["query"].shape[1], max(space.num_splits), device)
+    timings, rejected = {}, {}
+    launches = {tuned_files.candidate_id(launch): launch for launch in space.candidates()}
+    for name, launch in launches.items():
+        try:
+            got = module.decode(check["query"], check["cache"], check["block_table"], check["seq_lens"],
+                                validate=False, **launch, **codebook)
+            error = relative_error(got, expected)
+            if not (error <= limit and torch.isfinite(got).all()):
+                rejected[name] = f"relative error {error:.2e} against the reference (limit {limit:.2g})"
+                continue
+
+            def call(launch=launch):
+                module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"],
+                              out=out, workspace=workspace, validate=False, **launch, **codebook)
+
+            call()
+            timings[name] = round(timer(call) * 1e3, 2)
+        except Exception as exc:  # a candidate that cannot compile or launch is a result, not a crash
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            rejected[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    if not timings:
+        raise TqgenError(f"bucket {bucket_key(group_size, batch, context)}: every candidate was rejected "
+                         f"({next(iter(rejected.values()), 'no candidates')})")
+    best_name = min(timings, key=timings.get)
+    best = launches[best_name]
+    return {
+        **bucket_bounds(bucket_key(group_size, batch, context)),
+        "shape": {"batch": batch, "context": context, "num_kv_heads": num_kv_heads},
+        "best": best,
+        "best_us": timings[best_name],
+        "timings_us": dict(sorted(timings.items(), key=lambda item: item[1])),
+        "rejected": rejected,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]], space: SearchSpace, *,
+         root: Path, fingerprint: dict, timer: Callable = cuda_graph_timer,
+         num_kv_heads: int = 8, device="cuda", force: bool = False,
+         progress: Callable[[str], None] = print) -> Path:
+    """Tune the buckets not yet in the file (all with force=True); returns the tuned file's path.
+
+    A file that is corrupt or tuned for another setup (kernel, triton, device) is refused,
+    or with force=True renamed to NAME.json.replaced-TIME (tuned_files.set_aside_unusable) and re-tuned_files.
+    """
+    if getattr(module, "DEPENDENT_LAUNCH", True) is False:
+        # The batch-1 buckets are timed with the dependent launches serving uses.
+        raise TqgenError("tuning times decode as it is served: unset TQGEN_DEPENDENT_LAUNCH=0 "
+                         "(or module.DEPENDENT_LAUNCH = False) first")
+    metadata = tuned_files.make_metadata(config, fingerprint)
+    path = tuned_files.tuned_path(root, metadata["device_name"], config)
+    try:
+        done = tuned_files.read(path, metadata)
+    except tuned_files.Unusable as exc:
+        if not force:
+            raise TqgenError(f"not overwriting {exc}; re-tune with --force (which keeps that file as "
+                             f"{path.name}.replaced-TIME) or move it away") from None
+        kept, done = tuned_files.set_aside_unusable(path, metadata)
+        if kept is not None:
+            progress(f"{exc}: kept as {kept.name}, re-tuning every bucket")
+    # Tune at the top of each bucket, once per bucket.
+    shapes: dict[str, tuple[int, int, int]] = {}
+    for group_size, batch, context in buckets:
+        key = bucket_key(group_size, batch, context)
+        bounds = bucket_bounds(key)
+        shapes.setdefault(key, (group_size, bounds["batch"][1], bounds["context"][1]))
+    total = len(shapes)
+    failed = []
+    for index, (key, (group_size, batch, context)) in enumerate(shapes.items(), 1):
+        if key in done and not force:
+            progress(f"[{index}/{total}] {key}: already tuned ({tuned_files.candidate_id(done[key]['best'])}), skipped")
+            continue
+        try:
+            entry = tune_bucket(module, config, group_size, batch, context, space, timer=timer,
+                                num_kv_heads=num_kv_heads, device=device)
+        except TqgenError as exc:  # one bad bucket must not cost the others: report it, go on
+            failed.append(key)
+            progress(f"[{index}/{total}] {key}: FAILED, {exc}")
+            continue
+        tuned_files.save_bucket(path, metadata, key, entry)
+        progress(f"[{index}/{total}] {key}: best {tuned_files.candidate_id(entry['best'])} {entry['best_us']:.1f} us "
+                 f"({len(entry['timings_us'])} timed, {len(entry['rejected'])} rejected, {entry['seconds']:.0f} s)")
+    if failed:
+        saved = f"the others were saved to {path}" if len(failed) < total else "nothing new was saved"
+        raise TqgenError(f"{config.name}: {len(failed)} of {total} buckets have no valid candidate "
+                         f"({', '.join(failed)}); they keep their earlier entry, if any, else the heuristic "
+                         f"launch; {saved}")
+    return path
