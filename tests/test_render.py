@@ -326,3 +326,15 @@ def test_template_dir_finds_the_checkout_templates():
     assert folder == REPO / "templates"
     assert (folder / render_mod.MODULE_TEMPLATE).is_file()
     assert re.fullmatch(r"[0-9a-f]{64}", render_mod.template_hash())
+
+
+def test_the_decode_hash_reads_syntax_trees_the_same_on_every_python():
+    """ast.dump shows fields that only some Python versions have or fill (3.12's type_params, 3.13 leaves
+    empty ones out): the decode hash must not change with the interpreter that builds the module."""
+    tree = ast.parse("def f(x):\n    return x + 1\n").body[0]
+    plain = render_mod._canonical(tree)
+    tree.type_params = []  # what 3.12 and later add
+    tree.type_comment = None
+    assert render_mod._canonical(tree) == plain
+    assert "type_params" not in plain and "BinOp" in plain
+    assert render_mod._canonical(ast.parse("def f(x):\n    return x + 2\n").body[0]) != plain

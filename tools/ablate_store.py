@@ -9,7 +9,7 @@ rendered from an older commit, timed with its own default launch), in two slot p
 - scattered: a random permutation of the cache's slots (what `tqgen bench` times);
 - prefill:   consecutive positions within randomly ordered pages (a prompt being cached).
 Bytes = fp16 read + slots written, as in `tqgen bench`. Before timing, each launch's
-cache is compared with the reference's (tqgen.verify.store_differences) on the
+cache is compared with the reference's (tqgen.testing.store_differences) on the
 scattered pattern at the smallest --tokens. For Hadamard MSE configs, the "torch-rotated"
 rows pass a copy of the rotation, which makes the launcher rotate the keys with torch
 (the path of any other matrix) instead of the kernel's Walsh-Hadamard transform.

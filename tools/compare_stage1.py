@@ -45,7 +45,7 @@ def main() -> None:
         config = config_mod.resolve_arch(config_mod.load(path))
         module = tqgen.load(config)
         if not hasattr(module, "tq_decode_stage1_mma"):
-            raise SystemExit(f"{path} has no Gluon stage 1 (render.mma_stage1)")
+            raise SystemExit(f"{path} has no Gluon stage 1 (Plan.mma_stage1)")
         rotates = hasattr(module, "_ROTATE_QUERY_MAX_BATCH")  # MSE keys at head_dim 128, default rotation
         saved = module.MMA_STAGE1, getattr(module, "_ROTATE_QUERY_MAX_BATCH", 0)
         for shape in args.shapes:

@@ -15,7 +15,7 @@ kernel where the config's rotation allows it): registers, SASS and PTX instructi
 comparisons (setp), shared-memory stores and the mix of global stores; --store-variants adds
 the edited kernels of tools/ablate_store.py.
 
---mma compiles the Gluon stage 1 on mma.sync (planes configs, render.mma_stage1) instead of
+--mma compiles the Gluon stage 1 on mma.sync (planes configs, Plan.mma_stage1) instead of
 the tl.dot kernel: registers, MMAs and shared-memory traffic (none, by design).
 
 --variants compiles the variants of tools/ablate_stage1.py side by side: registers,
@@ -242,7 +242,7 @@ def main() -> None:
     module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-ptx-"))
     if args.mma:
         if not hasattr(module, "tq_decode_stage1_mma"):
-            raise SystemExit(f"--mma: {args.config} has no Gluon stage 1 (render.mma_stage1)")
+            raise SystemExit(f"--mma: {args.config} has no Gluon stage 1 (Plan.mma_stage1)")
         compiled = compile_stage1_mma(module, args.block_kv, args.group_size)
     else:
         compiled = compile_stage1(module, args.block_kv, args.warps, args.stages, args.rotate_query)

@@ -110,7 +110,7 @@ def rotate_keys(key, rotation):
     what the store launcher runs for a rotation other than the config's Hadamard
     matrix. For that matrix the store kernel computes the same by a Walsh-Hadamard
     transform, in its own order of fp32 operations: its codes can then differ where
-    y lies within rounding of a decision boundary (`tqgen.verify.store_differences`).
+    y lies within rounding of a decision boundary (`tqgen.testing.store_differences`).
     """
     key = key.to(torch.float32)
     norm = torch.linalg.vector_norm(key, dim=-1)

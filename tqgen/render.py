@@ -14,6 +14,7 @@ decode launch reaches), with comments, docstrings and formatting left out.
 from __future__ import annotations
 
 import ast
+import copy
 import hashlib
 import inspect
 import json
@@ -170,7 +171,7 @@ def _definitions(tree: ast.Module) -> dict[str, list[ast.stmt]]:
 
 def _without_docstrings(node: ast.stmt) -> ast.stmt:
     """A copy of a definition with every docstring removed (comments never reach the AST)."""
-    node = ast.parse(ast.unparse(node)).body[0]
+    node = copy.deepcopy(node)
     for inner in ast.walk(node):
         if isinstance(inner, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
             body = inner.body
@@ -178,6 +179,19 @@ def _without_docstrings(node: ast.stmt) -> ast.stmt:
                     and isinstance(body[0].value.value, str):
                 inner.body = body[1:] or [ast.Pass()]
     return node
+
+
+def _canonical(node) -> str:
+    """A syntax tree as text that is the same on every Python version tqgen supports: node types and
+    the fields that hold something (ast.dump shows fields that are empty on some versions only, such
+    as 3.12's type_params, and 3.13 leaves empty ones out)."""
+    if isinstance(node, ast.AST):
+        fields = [f"{name}={_canonical(value)}" for name, value in ast.iter_fields(node)
+                  if value not in (None, []) and name not in ("ctx", "type_comment", "kind")]
+        return f"{type(node).__name__}({','.join(fields)})"
+    if isinstance(node, list):
+        return "[" + ",".join(_canonical(item) for item in node) + "]"
+    return repr(node)
 
 
 def decode_path(source: str, entry: str = DECODE_ENTRY) -> list[str]:
@@ -210,5 +224,5 @@ def decode_kernel_hash(config: Config) -> str:
     digest = hashlib.sha256()
     for name in decode_path(source):
         for node in definitions[name]:
-            digest.update(name.encode() + b"\0" + ast.dump(_without_docstrings(node)).encode() + b"\0")
+            digest.update(name.encode() + b"\0" + _canonical(_without_docstrings(node)).encode() + b"\0")
     return digest.hexdigest()
