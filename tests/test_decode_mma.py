@@ -359,3 +359,44 @@ def test_mma_decode_replays_in_a_cuda_graph(build_module, monkeypatch, preset):
     want = reference.decode(Layout.from_config(config), query, cache, table, lens, codebook.get("rotation"), codebook.get("centroids"))
     assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
     assert len(spy.launches) >= 2
+
+
+# --- the experiment variants of tools/stage1_variants.py ----------------------------
+def test_stage1_variants_render_only_when_asked_and_only_for_the_gluon_kernel_with_mse_keys():
+    config = make_config("k3v4", cache_layout="planes", arch="sm90")
+    assert render.render(config) == render.render(config, stage1_variant="shipped")
+    for variant in ("load_only", "compute_only"):
+        source = render.render(config, stage1_variant=variant)
+        assert "EXPERIMENT" in source and source != render.render(config)
+    assert "EXPERIMENT" not in render.render(config)
+    for refused in (make_config("k8v4", cache_layout="planes", arch="sm90"), make_config("k3v4", arch="sm90")):
+        with pytest.raises(ValueError, match="Gluon stage 1 with MSE keys only"):
+            render.render(refused, stage1_variant="load_only")
+    with pytest.raises(ValueError, match="expected one of shipped, load_only, compute_only"):
+        render.render(config, stage1_variant="no_such")
+
+
+_VARIANT_SCRIPT = """
+import json, os, sys, tempfile
+sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
+import ptx_probe, stage1_variants
+from tqgen import config as config_mod
+config = config_mod.resolve_arch(config_mod.load("configs/k3v3-d128-planes.yaml"), (9, 0))
+for variant, module in stage1_variants.variant_modules(config, tempfile.mkdtemp()):
+    ptx = ptx_probe.compile_stage1_mma(module, 32).asm["ptx"]
+    print(json.dumps(dict(variant=variant, mma=ptx.count("mma.sync.aligned"), loads=ptx.count("ld.global"))))
+"""
+
+
+def test_stage1_variants_compile_and_keep_what_they_claim():
+    """load_only keeps every load of the shipped loop and no MMA; compute_only every MMA and only the loads
+    before the loop (offline sm90 compiles, in a process without the interpreter)."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    result = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT], cwd=REPO, env=environment, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = {row["variant"]: row for row in map(json.loads, (l for l in result.stdout.splitlines() if l.startswith("{")))}
+    assert report["shipped"]["mma"] == report["compute_only"]["mma"] > 0 and report["load_only"]["mma"] == 0
+    loop_loads = report["shipped"]["loads"] - report["compute_only"]["loads"]  # compute_only: the prologue's only
+    assert loop_loads > 0 and report["load_only"]["loads"] >= loop_loads

@@ -38,16 +38,29 @@ def next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+# Variants of the Gluon stage 1 that tools/stage1_variants.py times beside the shipped kernel (MSE keys):
+# "load_only" keeps every global load of the loop and drops the decode and the MMAs (the loaded words are
+# folded into a result, so the loads stay); "compute_only" keeps the decode and the MMAs and loads nothing
+# in the loop (its words are made from the addresses, in registers). Modules render "shipped".
+STAGE1_VARIANTS = ("shipped", "load_only", "compute_only")
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     config: Config
     layout: Layout
+    stage1_variant: str = "shipped"  # an experiment of tools/stage1_variants.py; wrong results on purpose
 
     @classmethod
-    def from_config(cls, config: Config) -> "Plan":
+    def from_config(cls, config: Config, stage1_variant: str = "shipped") -> "Plan":
         if config.arch == "auto":
             raise ValueError("resolve the arch (config.resolve_arch) before planning kernels")
-        return cls(config, Layout.from_config(config))
+        plan = cls(config, Layout.from_config(config), stage1_variant)
+        if stage1_variant not in STAGE1_VARIANTS:
+            raise ValueError(f"stage1_variant {stage1_variant!r}: expected one of {', '.join(STAGE1_VARIANTS)}")
+        if stage1_variant != "shipped" and (plan.key_fp8 or not plan.mma_stage1):
+            raise ValueError(f"stage1_variant {stage1_variant!r} exists for the Gluon stage 1 with MSE keys only")
+        return plan
 
     # --- shapes -------------------------------------------------------------
     @property

@@ -95,9 +95,9 @@ def _tuning_summary(tuned: dict) -> str:
     return "; ".join(parts) + "; other shapes and devices use `decode_launch_defaults`."
 
 
-def context(config: Config, tuned: dict | None = None) -> dict:
+def context(config: Config, tuned: dict | None = None, stage1_variant: str = "shipped") -> dict:
     """Everything the templates may read: the plan's names, and what the module records about its build."""
-    plan = Plan.from_config(config)
+    plan = Plan.from_config(config, stage1_variant)
     return {
         **plan.template_names(),
         "version": __version__,
@@ -129,13 +129,14 @@ def _tidy(source: str) -> str:
     return re.sub(r"\n{4,}", "\n\n\n", text)
 
 
-def render(config: Config, tuned: dict | None = None) -> str:
+def render(config: Config, tuned: dict | None = None, stage1_variant: str = "shipped") -> str:
     """The complete source of the module for one config.
 
     `tuned` maps a device name to {"triton_version", "source", "buckets":
     {bucket key: (block_kv, num_warps, num_stages, num_splits)}} (see tuned_files.baked_launches).
+    `stage1_variant` renders an experiment of the Gluon stage 1 instead of the shipped kernel (plan.py).
     """
-    source = _environment().get_template(MODULE_TEMPLATE).render(**context(config, tuned))
+    source = _environment().get_template(MODULE_TEMPLATE).render(**context(config, tuned, stage1_variant))
     source = _tidy(source)
     compile(source, f"<{config.artifact_name()}>", "exec")  # a template bug fails here, not at import
     return source

@@ -1,0 +1,111 @@
+"""Where the Gluon stage 1's time goes: the shipped kernel beside a load-only and a compute-only variant.
+
+    python3 tools/stage1_variants.py [--configs configs/k3v4-d128-planes.yaml ...] [--shapes 32x16384 8x8192]
+                                     [--compile-only]
+
+The variants are rendered by the templates themselves (`render(config, stage1_variant=...)`,
+plan.STAGE1_VARIANTS), not by editing rendered text:
+- shipped:      the kernel as modules carry it;
+- load_only:    every global load of the loop (block ids, key words, key norms, value scales and
+                zeros, value words), nothing else: the words are XOR-folded into registers and the
+                fold goes to the output once per program, so no load can be dropped;
+- compute_only: every decode step, MMA and softmax of the loop, no load in it: block ids are the page
+                numbers, and words, norms, scales and zeros are made from their addresses in registers.
+Each is timed as a whole decode call (CUDA-graph replay, the shipped launch of the shape, the same
+random cache), with the copy ceiling measured in the same run. The compute-only time bounds what the
+instructions cost; the load-only time what the bytes cost at the occupancy the kernel has; if the
+shipped time is near their sum, loads and compute do not overlap.
+--compile-only compiles each variant offline for sm90 (no GPU) and prints registers and SASS counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tqgen import config as config_mod, emit, render  # noqa: E402
+from tqgen.plan import STAGE1_VARIANTS  # noqa: E402
+
+
+def variant_modules(config, folder):
+    """(variant, imported module) for each stage-1 variant of one config."""
+    out = []
+    for variant in STAGE1_VARIANTS:
+        path = os.path.join(folder, f"{config.artifact_name()}_{variant}.py")
+        with open(path, "w") as handle:
+            handle.write(render.render(config, stage1_variant=variant))
+        out.append((variant, emit.import_module_file(path)))
+    return out
+
+
+def compile_only(configs) -> None:
+    import ptx_probe  # beside this file
+
+    for config in configs:
+        for variant, module in variant_modules(config, tempfile.mkdtemp(prefix="tqgen-variants-")):
+            compiled = ptx_probe.compile_stage1_mma(module, 32)
+            ptx = compiled.asm["ptx"]
+            print(f"{config.name} {variant}: {ptx_probe.ptxas_usage(ptx)}; {ptx_probe.sass_count(compiled.asm['cubin'])} "
+                  f"SASS, ld.global x{ptx.count('ld.global')}, mma x{ptx.count('mma.sync')}", flush=True)
+
+
+def time_variants(configs, shapes) -> None:
+    import torch
+    import triton
+
+    from tqgen import bench, testing
+
+    ceiling = bench.copy_ceiling_gbps()
+    print(f"copy ceiling {ceiling:.0f} GB/s on {torch.cuda.get_device_name()}; 32 query / 8 KV heads, graph replay")
+    print("| config | batch x context | launch | " + " | ".join(f"{v} us" for v in STAGE1_VARIANTS)
+          + " | shipped % of ceiling | load-only % | compute-only / shipped | load-only / shipped |")
+    print("|---|---|---|" + "---|" * (len(STAGE1_VARIANTS) + 4))
+    for config in configs:
+        modules = variant_modules(config, tempfile.mkdtemp(prefix="tqgen-variants-"))
+        shipped = modules[0][1]
+        for batch, context in shapes:
+            problem = testing.random_problem(shipped, config, batch, context, 32, 8, "cuda")
+            codebook = testing.codebook_kwargs(shipped, "cuda")
+            launch = dict(zip(("block_kv", "num_warps", "num_stages", "num_splits"),
+                              shipped.decode_launch(batch, 8, 4, context, problem["cache"].device)))
+            out = torch.empty_like(problem["query"])
+            workspace = shipped.DecodeWorkspace(batch, 32, 64, "cuda")
+            times = {}
+            for variant, module in modules:
+                print(f"  {config.name} {batch} x {context}: {variant}", file=sys.stderr, flush=True)
+                def call(module=module):
+                    module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"],
+                                  out=out, workspace=workspace, validate=False, **launch, **codebook)
+                call()
+                torch.cuda.synchronize()  # a failing variant is named here, not at a later call
+                times[variant] = triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
+            nbytes = batch * 8 * context * shipped.SLOT_BYTES
+            percent = {v: 100 * nbytes / (t * 1e-6) / 1e9 / ceiling for v, t in times.items()}
+            print(f"| {config.name} | {batch} x {context} | kv{launch['block_kv']} sp{launch['num_splits']} | "
+                  + " | ".join(f"{times[v]:.1f}" for v in STAGE1_VARIANTS)
+                  + f" | {percent['shipped']:.1f} | {percent['load_only']:.1f} "
+                  f"| {times['compute_only'] / times['shipped']:.2f} | {times['load_only'] / times['shipped']:.2f} |",
+                  flush=True)
+            del problem
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=["configs/k3v4-d128-planes.yaml", "configs/k3v3-d128-planes.yaml"])
+    parser.add_argument("--shapes", nargs="+", default=["32x16384", "8x8192"])
+    parser.add_argument("--compile-only", action="store_true")
+    args = parser.parse_args()
+    capability = (9, 0) if args.compile_only else None
+    configs = [config_mod.resolve_arch(config_mod.load(path), capability) for path in args.configs]
+    if args.compile_only:
+        compile_only(configs)
+    else:
+        time_variants(configs, [tuple(map(int, shape.split("x"))) for shape in args.shapes])
+
+
+if __name__ == "__main__":
+    main()
