@@ -40,6 +40,8 @@ POINTER_TYPES = {"query_ptr": "*fp16", "cache_ptr": "*u8", "block_table_ptr": "*
 FLOAT_ARGS = ("score_scale",)
 
 
+# Self-contained on purpose (tools/ptx_probe.py has a similar compile helper): tools/migrate_tuned.py runs
+# this file inside checkouts of older commits, whose tools differ.
 def compile_kernel(kernel, constants, warps, stages, capability, source_type=ASTSource, **options):
     """Compile with a real launch's specializations: pointers 16-byte aligned, strides named stride_* multiples
     of 16 except slots-cache head/position strides, every other argument an i32."""

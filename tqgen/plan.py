@@ -122,7 +122,8 @@ class Plan:
 
     @property
     def hadamard_keys(self) -> bool:
-        """MSE keys under the config's Hadamard rotation: the store rotates them by a Walsh-Hadamard transform."""
+        """MSE keys under the config's Hadamard rotation: the store rotates them by a Walsh-Hadamard transform
+        (and stage 1 its query, where stage1_rotates_query), so the module carries one."""
         return not self.key_fp8 and self.config.rotation == "hadamard"
 
     @property
@@ -138,11 +139,6 @@ class Plan:
         """Whether the kernels use PTX helpers (byte permutes, fp16 pairs): planes MSE keys' codebook
         lookup and the Gluon stage 1's value codes."""
         return self.planes and (self.mma_stage1 or not self.key_fp8)
-
-    @property
-    def needs_hadamard(self) -> bool:
-        """Whether a kernel applies the Walsh-Hadamard transform (the store, and stage 1 rotating the query)."""
-        return self.hadamard_keys
 
     @property
     def halfword_loads(self) -> bool:
@@ -162,21 +158,20 @@ class Plan:
         """The arguments that locate a token in the cache, as the kernels' helpers take them."""
         return "page_base, pos" if self.planes else "slot_base"
 
-    def at(self, field: str, within: int = 0) -> str:
+    def at(self, field: str) -> str:
         """The byte offset, in a kernel, of `field` ("KEY_CODE", "KEY_NORM", "VALUE_CODE", "VALUE_SCALE",
         "VALUE_ZERO") of each token, from the named layout constants: page_base + PLANE + pos * record
-        bytes in "planes", slot_base + OFFSET in "slots"; `within` bytes further into the field."""
-        if self.planes:
-            plane, record = {
-                "KEY_CODE": ("_KEY_CODE_PLANE", "_KEY_CODE_BYTES"),
-                "KEY_NORM": ("_KEY_NORM_PLANE", str(KEY_NORM_BYTES)),
-                "VALUE_CODE": ("_VALUE_CODE_PLANE", "_VALUE_CODE_BYTES"),
-                "VALUE_SCALE": ("_VALUE_SCALE_PLANE", str(VALUE_SCALE_ZERO_BYTES)),
-                "VALUE_ZERO": ("_VALUE_SCALE_PLANE", str(VALUE_SCALE_ZERO_BYTES)),
-            }[field]
-            within += 2 if field == "VALUE_ZERO" else 0
-            return f"page_base + {plane} + pos * {record}" + (f" + {within}" if within else "")
-        return f"slot_base + _{field}_OFFSET" + (f" + {within}" if within else "")
+        bytes in "planes" (the zero is the second fp16 of the scale-and-zero record), slot_base + OFFSET
+        in "slots"."""
+        if not self.planes:
+            return f"slot_base + _{field}_OFFSET"
+        return {
+            "KEY_CODE": "page_base + _KEY_CODE_PLANE + pos * _KEY_CODE_BYTES",
+            "KEY_NORM": f"page_base + _KEY_NORM_PLANE + pos * {KEY_NORM_BYTES}",
+            "VALUE_CODE": "page_base + _VALUE_CODE_PLANE + pos * _VALUE_CODE_BYTES",
+            "VALUE_SCALE": f"page_base + _VALUE_SCALE_PLANE + pos * {VALUE_SCALE_ZERO_BYTES}",
+            "VALUE_ZERO": f"page_base + _VALUE_SCALE_PLANE + pos * {VALUE_SCALE_ZERO_BYTES} + 2",
+        }[field]
 
     def cache_strides(self, tensor: str = "kv_cache") -> str:
         """The launcher's stride arguments of the cache tensor."""

@@ -197,7 +197,10 @@ def _canonical(node) -> str:
 
 def decode_path(source: str, entry: str = DECODE_ENTRY) -> list[str]:
     """The names of every module-level definition that `entry` reaches in a rendered module, sorted."""
-    definitions = _definitions(ast.parse(source))
+    return _reached(_definitions(ast.parse(source)), entry)
+
+
+def _reached(definitions: dict[str, list[ast.stmt]], entry: str) -> list[str]:
     if entry not in definitions:
         raise ValueError(f"the rendered module defines no {entry}")
     reached, pending = set(), [entry]
@@ -220,10 +223,9 @@ def decode_kernel_hash(config: Config) -> str:
     dequantize kernels, the launch heuristic, a comment or a docstring keeps the tuning; any change
     to code that the tuner timed, for this config and arch, drops it.
     """
-    source = render(config)
-    definitions = _definitions(ast.parse(source))
+    definitions = _definitions(ast.parse(render(config)))
     digest = hashlib.sha256()
-    for name in decode_path(source):
+    for name in _reached(definitions, DECODE_ENTRY):
         for node in definitions[name]:
             digest.update(name.encode() + b"\0" + _canonical(_without_docstrings(node)).encode() + b"\0")
     return digest.hexdigest()
