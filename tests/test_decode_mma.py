@@ -114,36 +114,42 @@ def test_tile_layouts_give_each_lane_the_units_the_kernel_assumes(build_module, 
         assert len(seen) == block_kv * words
 
 
-# --- compiles, and moves nothing through shared memory ----------------------------
-COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correction)
-    *[(preset, 128, 16, kv, 4, True) for preset in ("k3v4", "k3v3", "k8v4")
-      for kv in sorted(set(tuner.SearchSpace().block_kv) | {32, 64})],
-    ("k4v4", 128, 16, 64, 4, True), ("k3v4", 128, 16, 64, 8, True), ("k3v4", 128, 16, 32, 16, True),
-    ("k3v4", 128, 16, 32, 1, True), ("k3v4", 64, 8, 32, 4, True), ("k4v4", 256, 16, 32, 4, True),
-    ("k3v4", 128, 64, 32, 4, False), ("k3v3", 256, 16, 32, 4, True), ("k3v3", 128, 16, 64, 16, True),
-    ("k8v4", 128, 16, 32, 16, True), ("k8v4", 128, 16, 64, 1, True), ("k8v4", 64, 8, 32, 4, True),
-    ("k8v4", 256, 16, 32, 4, True),
+# --- compiles: loads where used without shared memory, or the cp.async ring ------------
+RING_STAGES = sorted(set(tuner.SearchSpace().num_stages) - {1} | {2, 3})  # the ring depths the tuner may pick
+COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correction, stages)
+    *[(preset, 128, 16, kv, 4, True, stages) for preset in ("k3v4", "k3v3", "k8v4", "k4v4")
+      for kv in sorted(set(tuner.SearchSpace().block_kv) | {32, 64}) for stages in [1] + RING_STAGES],
+    ("k3v4", 128, 16, 64, 8, True, 1), ("k3v4", 128, 16, 32, 16, True, 1), ("k3v4", 128, 16, 32, 16, True, 2),
+    ("k3v4", 128, 16, 32, 1, True, 1), ("k3v4", 128, 16, 32, 1, True, 2), ("k3v4", 64, 8, 32, 4, True, 1),
+    ("k3v4", 64, 8, 32, 4, True, 2), ("k4v4", 256, 16, 32, 4, True, 1), ("k4v4", 256, 16, 32, 4, True, 2),
+    ("k3v4", 128, 64, 32, 4, False, 1), ("k3v4", 128, 64, 32, 4, False, 2), ("k3v3", 256, 16, 32, 4, True, 1),
+    ("k3v3", 256, 16, 32, 4, True, 2), ("k3v3", 128, 16, 64, 16, True, 1), ("k8v4", 128, 16, 32, 16, True, 1),
+    ("k8v4", 128, 16, 64, 1, True, 1), ("k8v4", 128, 16, 64, 1, True, 2), ("k8v4", 64, 8, 32, 4, True, 1),
+    ("k8v4", 64, 8, 32, 4, True, 2), ("k8v4", 256, 16, 32, 4, True, 1), ("k8v4", 256, 16, 32, 4, True, 2),
 ]
 
 
 # Under TRITON_INTERPRET=1 the @triton.jit helpers the Gluon kernel calls are interpreter objects that
 # triton's compiler refuses, so the kernels are compiled in a process of their own, without it.
 _COMPILE_SCRIPT = """
-import json, os, sys, tempfile
+import json, os, re, sys, tempfile
 sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
 import ptx_probe, tqgen
 from tqgen import config as config_mod
 presets, cases = json.loads(sys.argv[1])
 folder = tempfile.mkdtemp(prefix="tqgen-mma-")
-for preset, head_dim, page, block_kv, group_size, norm_correction in cases:
+for preset, head_dim, page, block_kv, group_size, norm_correction, stages in cases:
     fields = dict(presets[preset], head_dim=head_dim, block_size=page, cache_layout="planes", arch="sm90")
     if fields["key_format"] == "mse":
         fields["norm_correction"] = norm_correction
     module = tqgen.load(config_mod.from_mapping(fields), folder)
-    compiled = ptx_probe.compile_stage1_mma(module, block_kv, group_size, dependent_launch=group_size == 1)
+    compiled = ptx_probe.compile_stage1_mma(module, block_kv, group_size, dependent_launch=group_size == 1,
+                                           stages=stages)
     ptx = compiled.asm["ptx"]
+    copies = re.findall(r"cp[.]async[.]c[ag][.]shared[.]global [[][^]]*[]], [[][^]]*[]], (0x[0-9a-f]+)", ptx)
     print(json.dumps(dict(mma=ptx.count("mma.sync.aligned.m16n8k16"), shared_ops=ptx.count(".shared"),
-                          shared_bytes=compiled.metadata.shared, wait="griddepcontrol.wait" in ptx)))
+                          shared_bytes=compiled.metadata.shared, wait="griddepcontrol.wait" in ptx,
+                          copy_bytes=sorted({int(size, 16) for size in copies}))))
 """
 
 
@@ -160,17 +166,26 @@ def compiled_cases():
 
 
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda case: "-".join(map(str, case)))
-def test_every_launch_compiles_for_sm90_without_shared_memory(compiled_cases, case):
+def test_every_launch_compiles_for_sm90(compiled_cases, case):
     """The launches decode gives the kernel compile (triton's compiler rejects what its interpreter
-    accepts), with one m16n8k16 MMA per 16 x 8 x 16 block of each product and no shared memory:
-    the scores and the output, nothing for the norm correction ("planes" stores corrected norms)."""
-    preset, head_dim, page, block_kv, group_size, norm_correction = case
+    accepts), with one m16n8k16 MMA per 16 x 8 x 16 block of each product: the scores and the output,
+    nothing for the norm correction ("planes" stores corrected norms). One stage uses no shared memory;
+    the ring holds `stages` tiles of exactly the bytes a tile's tokens use, copied by cp.async as wide as
+    each plane's alignment allows (16 bytes for every plane at head_dim 128 and 256)."""
+    preset, head_dim, page, block_kv, group_size, norm_correction, stages = case
     report = compiled_cases[case]
     columns = max(8, 1 << (group_size - 1).bit_length()) // 8
     key_mmas = (block_kv // 16) * (head_dim // 16) * columns
     value_mmas = (head_dim // 16) * (block_kv // 16) * columns
     assert report["mma"] == key_mmas + value_mmas
-    assert report["shared_ops"] == 0 and report["shared_bytes"] == 0
+    if stages == 1:
+        assert report["shared_ops"] == 0 and report["shared_bytes"] == 0 and report["copy_bytes"] == []
+    else:
+        plan = Plan.from_config(mma_config(preset, head_dim, block_size=page))
+        assert report["shared_bytes"] == stages * block_kv * plan.layout.used_bytes
+        assert report["copy_bytes"] == sorted({field.vector * field.unit_bytes for field in plan.ring_fields})
+        if head_dim >= 128:
+            assert report["copy_bytes"] == [16]
     # A dependent launch of MSE configs waits on tq_prepare_query; fp8 keys' stage 1 comes first.
     assert report["wait"] == (group_size == 1 and PRESETS[preset]["key_format"] == "mse")
 
@@ -240,27 +255,35 @@ def _stored_cache(module, config, num_blocks, first_slot, tokens, seed):
 MANY_LENS = [1, 15, 16, 17, 63, 64, 65, 300, 1025, 0]
 
 
-MMA_CASES = [  # (preset, head_dim, page, block_kv, group_size, num_splits)
-    *[(preset, head_dim, page, block_kv, 4, 3)
+RING_STAGES = sorted(set(tuner.SearchSpace().num_stages) - {1} | {2, 3})  # the ring depths the tuner may pick
+MMA_CASES = [  # (preset, head_dim, page, block_kv, group_size, num_splits, num_stages)
+    *[(preset, head_dim, page, block_kv, 4, 3, stages)
       for preset, head_dim, page in [("k3v4", 128, 16), ("k4v4", 128, 16), ("k3v4", 64, 16), ("k4v4", 256, 16),
                                      ("k3v4", 128, 8), ("k3v4", 128, 64), ("k3v3", 128, 16), ("k3v3", 256, 16),
                                      ("k3v3", 128, 8), ("k8v4", 128, 16), ("k8v4", 64, 16), ("k8v4", 256, 16),
                                      ("k8v4", 128, 64)]
-      for block_kv in sorted(set(tuner.SearchSpace().block_kv))],
-    *[(preset, 128, 16, block_kv, group_size, num_splits) for preset in ("k3v4", "k3v3", "k8v4")
-      for block_kv in sorted(set(tuner.SearchSpace().block_kv)) for group_size in (1, 8, 16) for num_splits in (1, 16)],
+      for block_kv in sorted(set(tuner.SearchSpace().block_kv)) for stages in (1, 2)],
+    *[(preset, 128, 16, block_kv, group_size, num_splits, stages) for preset in ("k3v4", "k3v3", "k8v4")
+      for block_kv in sorted(set(tuner.SearchSpace().block_kv)) for group_size in (1, 8, 16) for num_splits in (1, 16)
+      for stages in (1, 2)],
+    # every ring depth the tuner can pick, at every tile size, for each key and value format
+    *[(preset, 128, 16, block_kv, 4, 5, stages) for preset in ("k3v4", "k4v4", "k3v3", "k8v4")
+      for block_kv in sorted(set(tuner.SearchSpace().block_kv)) for stages in RING_STAGES if stages != 2],
 ]
 
 
-@pytest.mark.parametrize("preset,head_dim,page,block_kv,group_size,num_splits", MMA_CASES)
+@pytest.mark.parametrize("preset,head_dim,page,block_kv,group_size,num_splits,num_stages", MMA_CASES)
 @gpu_test
-def test_mma_decode_matches_reference(build_module, monkeypatch, preset, head_dim, page, block_kv, group_size, num_splits):
+def test_mma_decode_matches_reference(build_module, monkeypatch, preset, head_dim, page, block_kv, group_size, num_splits,
+                                      num_stages):
+    """The Gluon kernel against the float64 reference on ragged lengths around tile and page bounds (and 0),
+    with its words loaded where used (1 stage) or through the cp.async ring of num_stages tiles."""
     config = mma_config(preset, head_dim, block_size=page)
     module = build_module(config)
     spy = _spy(module, monkeypatch)
     check_decode(module, config, "cuda", MANY_LENS, group_size=group_size, block_kv=block_kv, num_splits=num_splits,
-                 num_warps=1)
-    assert len(spy.launches) == 1
+                 num_warps=1, num_stages=num_stages)
+    assert len(spy.launches) == 1 and spy.launches[0][2]["STAGES"] == num_stages
 
 
 @pytest.mark.parametrize("variant", ["no_norm_correction", "asymmetric_codebook", "fp16_query", "bf16_query",
@@ -307,9 +330,10 @@ def test_mma_and_dot_kernels_agree(build_module, monkeypatch, preset, block_kv, 
     assert relative_error(outputs[0], outputs[1]) < 1e-3
 
 
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
 @pytest.mark.parametrize("preset", ["k3v4", "k3v3", "k8v4"])
 @gpu_test
-def test_mma_decode_masks_block_ids_outside_the_cache(build_module, monkeypatch, preset):
+def test_mma_decode_masks_block_ids_outside_the_cache(build_module, monkeypatch, preset, num_stages):
     """With validate=False, pages whose block id is outside the cache are masked (their tokens read
     block 0, whose fields must not leak, NaN included): attention over the remaining tokens."""
     config = mma_config(preset)
@@ -321,7 +345,8 @@ def test_mma_decode_masks_block_ids_outside_the_cache(build_module, monkeypatch,
     lens = torch.tensor([64, 64], dtype=torch.int32, device="cuda")
     for bad in (6, -1, 2**31 - 1):
         table = torch.tensor([[1, bad, 3, 4], [bad, bad, bad, 2]], dtype=torch.int32, device="cuda")
-        out = module.decode(query, cache, table, lens, validate=False, num_warps=1, block_kv=64, num_splits=1, **codebook)
+        out = module.decode(query, cache, table, lens, validate=False, num_warps=1, block_kv=32, num_splits=1,
+                            num_stages=num_stages, **codebook)
         assert torch.isfinite(out).all()
         remaining = torch.tensor([[1, 3, 4], [2, 0, 0]], dtype=torch.int32, device="cuda")
         want = reference.decode(Layout.from_config(config), query, cache, remaining, torch.tensor([48, 16], dtype=torch.int32, device="cuda"),
@@ -330,9 +355,10 @@ def test_mma_decode_masks_block_ids_outside_the_cache(build_module, monkeypatch,
     assert len(spy.launches) == 3
 
 
+@pytest.mark.parametrize("num_stages", [1, 3])
 @pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
 @gpu_test
-def test_mma_decode_replays_in_a_cuda_graph(build_module, monkeypatch, preset):
+def test_mma_decode_replays_in_a_cuda_graph(build_module, monkeypatch, preset, num_stages):
     config = mma_config(preset)
     module = build_module(config)
     spy = _spy(module, monkeypatch)
@@ -346,7 +372,7 @@ def test_mma_decode_replays_in_a_cuda_graph(build_module, monkeypatch, preset):
 
     def call():
         module.decode(query, cache, table, lens, out=out, workspace=workspace, validate=False, num_warps=1,
-                      block_kv=32, num_splits=8, **codebook)
+                      block_kv=32, num_splits=8, num_stages=num_stages, **codebook)
 
     call()
     graph = torch.cuda.CUDAGraph()

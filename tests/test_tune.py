@@ -331,14 +331,14 @@ def test_heuristic_is_close_to_the_measured_best_on_the_h200(setup, tmp_path):
     assert _geomean(ratios) < 1.03 and max(ratios) < 1.15
 
 
-# The Gluon kernel: k8v4 re-tuned after its register cut (2026-12-01, seventh session), the MSE presets
-# after the norm correction moved into the store (eighth session). k8v4's 32 splits at 8 x 4096 cost 9.8%
-# against the 16 the tuner picked. k3v4's 32-token tiles cost 3.3% at 2 x 65536, where 64 won: 2.9% in
-# the session's first re-tune of the same kernel, so the bound leaves room for that re-timing spread;
-# only k3v4 prefers 64 there. k3v3's and k4v4's 16 splits cost 1.6-1.8% at 128 x 65536 (32 won); every
-# other pick is within 3.5% (k8v4 1 x 4096: 32 splits, 64 won), and those of the MSE tables within 2%.
-@pytest.mark.parametrize("preset,geomean,worst", [("k8v4", 1.01, 1.10), ("k4v4", 1.01, 1.02), ("k3v4", 1.01, 1.04),
-                                                  ("k3v3", 1.01, 1.02)])
+# The Gluon kernel with its cp.async ring, every planes preset re-tuned (2026-12-02). The worst picks are
+# batch-1 buckets, where calls take 5-11 us at 1K tokens and a pick 1 us slower costs 12-18%: 1 x 1024
+# for every preset (k8v4: 8 splits; the MSE presets: the rotating tl.dot kernel's 64-token tiles, 32 won),
+# and k4v4 also 1 x 65536 (12%). From batch 8 on, every pick is within 5%, except k8v4 at 128 x 1024
+# (9%: 32-token tiles loaded where used, the ring of 64-token tiles won) and k3v4 at 32 x 65536 (8%:
+# 16 splits, 32 won).
+@pytest.mark.parametrize("preset,geomean,worst", [("k8v4", 1.02, 1.19), ("k4v4", 1.03, 1.16), ("k3v4", 1.02, 1.12),
+                                                  ("k3v3", 1.015, 1.18)])
 def test_planes_heuristic_is_close_to_the_measured_best_on_the_h200(tmp_path, preset, geomean, worst):
     """The same for the page-planar configs, whose heuristic differs (1 warp, and the Gluon kernel's
     rules; sm90, as tuned: fp8 keys have the Gluon kernel only where the arch converts e4m3)."""

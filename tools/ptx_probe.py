@@ -16,7 +16,8 @@ comparisons (setp), shared-memory stores and the mix of global stores; --store-v
 the edited kernels of tools/ablate_store.py.
 
 --mma compiles the Gluon stage 1 on mma.sync (planes configs, Plan.mma_stage1) instead of
-the tl.dot kernel: registers, MMAs and shared-memory traffic (none, by design).
+the tl.dot kernel: registers, MMAs and shared-memory traffic (none at --stages 1; the cp.async
+ring's copies and reads from --stages 2 on).
 
 --variants compiles the variants of tools/ablate_stage1.py side by side: registers,
 spills and shared-memory traffic show what each part of the kernel costs before any
@@ -83,11 +84,12 @@ def compile_stage1(module, block_kv: int, warps: int, stages: int, rotate_query:
     return _compile_sm90(kernel, constants, POINTER_TYPES, ("stride_",), warps, stages)
 
 
-def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_launch: bool = False):
-    """The Gluon stage 1 (tq_decode_stage1_mma) with the constants decode gives it (one warp)."""
+def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_launch: bool = False, stages: int = 1):
+    """The Gluon stage 1 (tq_decode_stage1_mma) with the constants decode gives it (one warp); stages >= 2
+    compiles its cp.async ring of that many tiles."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    constants = module._mma_stage1_constants(block_kv, group_size, dependent_launch)
+    constants = module._mma_stage1_constants(block_kv, group_size, dependent_launch, stages)
     options = dict(module._mma_stage1_options(block_kv))
     return _compile_sm90(module.tq_decode_stage1_mma, constants, POINTER_TYPES, ("stride_",), options.pop("num_warps"), 1,
                          GluonASTSource, **options)
@@ -243,7 +245,7 @@ def main() -> None:
     if args.mma:
         if not hasattr(module, "tq_decode_stage1_mma"):
             raise SystemExit(f"--mma: {args.config} has no Gluon stage 1 (Plan.mma_stage1)")
-        compiled = compile_stage1_mma(module, args.block_kv, args.group_size)
+        compiled = compile_stage1_mma(module, args.block_kv, args.group_size, stages=args.stages)
     else:
         compiled = compile_stage1(module, args.block_kv, args.warps, args.stages, args.rotate_query)
     ptx = compiled.asm["ptx"]
@@ -251,7 +253,7 @@ def main() -> None:
         with open(args.ptx, "w") as handle:
             handle.write(ptx)
     loads = collections.Counter(re.findall(r"ld\.global(?:\.\w+)*", ptx))
-    launch = f"mma, group {args.group_size}" if args.mma else f"w{args.warps} st{args.stages}"
+    launch = f"mma, group {args.group_size}, st{args.stages}" if args.mma else f"w{args.warps} st{args.stages}"
     print(f"{args.config} kv{args.block_kv} {launch}: {ptxas_usage(ptx)}; mma.sync x{ptx.count('mma.sync')}, "
           f"shfl x{ptx.count('shfl.sync')}")
     print("  global loads: " + ", ".join(f"{kind} x{count}" for kind, count in loads.most_common()))

@@ -4,7 +4,7 @@
 
 Ragged batches end mid-page, the block table has unused columns, and the
 cache has unused blocks, so any read past a sequence's tokens or write outside
-the given slots shows up as an error.
+the given slots shows up as an error; racecheck sees the Gluon stage 1's shared-memory ring (planes).
 """
 
 import sys
@@ -30,6 +30,11 @@ for path in paths:
     query = torch.randn(5, 12, config.head_dim, device="cuda", dtype=torch.float16)  # group size 3
     for num_splits in (1, 4):
         module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=num_splits, **kwargs)
+    # The Gluon stage 1's cp.async ring (planes): every depth the tuner may pick, both tile sizes, one warp.
+    ring = [(block_kv, stages) for block_kv in (32, 64) for stages in (2, 3)] if config.cache_layout == "planes" else []
+    for block_kv, stages in ring:
+        module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=3, block_kv=block_kv, num_warps=1,
+                      num_stages=stages, **kwargs)
     module.dequantize(cache, batch.block_table, batch.seq_lens, **kwargs)
     torch.cuda.synchronize()
-    print(f"{path}: store, decode (1 and 4 splits), dequantize ran", flush=True)
+    print(f"{path}: store, decode (1 and 4 splits{', the ring' if ring else ''}), dequantize ran", flush=True)

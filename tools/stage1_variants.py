@@ -11,8 +11,10 @@ plan.STAGE1_VARIANTS), not by editing rendered text:
                 fold goes to the output once per program, so no load can be dropped;
 - compute_only: every decode step, MMA and softmax of the loop, no load in it: block ids are the page
                 numbers, and words, norms, scales and zeros are made from their addresses in registers.
-Each is timed as a whole decode call (CUDA-graph replay, the shipped launch of the shape, the same
-random cache), with the copy ceiling measured in the same run. The compute-only time bounds what the
+Each is timed as a whole decode call (CUDA-graph replay, the shipped launch of the shape with its
+words loaded where used, num_stages 1, the same random cache), with the copy ceiling measured in the
+same run; the first column times the shipped launch as it is (with the cp.async ring where the tuned
+or heuristic launch has num_stages >= 2). The compute-only time bounds what the
 instructions cost; the load-only time what the bytes cost at the occupancy the kernel has; if the
 shipped time is near their sum, loads and compute do not overlap.
 --compile-only compiles each variant offline for sm90 (no GPU) and prints registers and SASS counts.
@@ -61,9 +63,9 @@ def time_variants(configs, shapes) -> None:
 
     ceiling = bench.copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s on {torch.cuda.get_device_name()}; 32 query / 8 KV heads, graph replay")
-    print("| config | batch x context | launch | " + " | ".join(f"{v} us" for v in STAGE1_VARIANTS)
-          + " | shipped % of ceiling | load-only % | compute-only / shipped | load-only / shipped |")
-    print("|---|---|---|" + "---|" * (len(STAGE1_VARIANTS) + 4))
+    print("| config | batch x context | launch | shipped launch us | "
+          + " | ".join(f"{v} us (1 stage)" for v in STAGE1_VARIANTS) + " | shipped % of ceiling | load-only % | compute-only / shipped | load-only / shipped |")
+    print("|---|---|---|---|" + "---|" * (len(STAGE1_VARIANTS) + 4))
     for config in configs:
         modules = variant_modules(config, tempfile.mkdtemp(prefix="tqgen-variants-"))
         shipped = modules[0][1]
@@ -75,17 +77,20 @@ def time_variants(configs, shapes) -> None:
             out = torch.empty_like(problem["query"])
             workspace = shipped.DecodeWorkspace(batch, 32, 64, "cuda")
             times = {}
-            for variant, module in modules:
+            runs = [("launch", shipped, launch["num_stages"])] + [(v, m, 1) for v, m in modules]
+            for variant, module, stages in runs:
                 print(f"  {config.name} {batch} x {context}: {variant}", file=sys.stderr, flush=True)
-                def call(module=module):
+                def call(module=module, stages=stages):
                     module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"],
-                                  out=out, workspace=workspace, validate=False, **launch, **codebook)
+                                  out=out, workspace=workspace, validate=False, **{**launch, "num_stages": stages},
+                                  **codebook)
                 call()
                 torch.cuda.synchronize()  # a failing variant is named here, not at a later call
                 times[variant] = triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
             nbytes = batch * 8 * context * shipped.SLOT_BYTES
             percent = {v: 100 * nbytes / (t * 1e-6) / 1e9 / ceiling for v, t in times.items()}
-            print(f"| {config.name} | {batch} x {context} | kv{launch['block_kv']} sp{launch['num_splits']} | "
+            print(f"| {config.name} | {batch} x {context} | kv{launch['block_kv']} st{launch['num_stages']} "
+                  f"sp{launch['num_splits']} | {times['launch']:.1f} | "
                   + " | ".join(f"{times[v]:.1f}" for v in STAGE1_VARIANTS)
                   + f" | {percent['shipped']:.1f} | {percent['load_only']:.1f} "
                   f"| {times['compute_only'] / times['shipped']:.2f} | {times['load_only'] / times['shipped']:.2f} |",

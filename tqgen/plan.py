@@ -46,6 +46,29 @@ STAGE1_VARIANTS = ("shipped", "load_only", "compute_only")
 
 
 @dataclasses.dataclass(frozen=True)
+class RingField:
+    """One plane of a page that the Gluon stage 1's cp.async ring copies into shared memory.
+
+    The copy holds [pages, positions, units] (units == 0: [pages, positions], one unit per token) of
+    `dtype` for one tile; the kernel reads it back in the register layout `read_layout`, the same
+    one its direct loads use, so the decode after it is one piece of code.
+    """
+    name: str  # the shared buffer is `{name}_ring`, its copy layout `{NAME}_COPY`
+    dtype: str  # gl dtype of a unit
+    unit_bytes: int
+    units: int  # per token; 0 for a per-token field (norm, scale and zero)
+    plane: str  # page byte where the units of position 0 start, in the kernels' layout constants
+    record: str  # bytes from one token's units to the next one's
+    alignment: int  # bytes: how each token's units are aligned (the widest cp.async they allow)
+    read_layout: str  # the constexpr layout the kernel reads them in
+
+    @property
+    def vector(self) -> int:
+        """Units per cp.async (at most 16 bytes, at most one token's units, never past the alignment)."""
+        return max(1, min(self.units or 16 // self.unit_bytes, self.alignment // self.unit_bytes))
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     config: Config
     layout: Layout
@@ -176,6 +199,42 @@ class Plan:
     def cache_strides(self, tensor: str = "kv_cache") -> str:
         """The launcher's stride arguments of the cache tensor."""
         return ", ".join(f"{tensor}.stride({dim})" for dim in self.layout.cache_stride_dims)
+
+    @property
+    def ring_fields(self) -> list[RingField]:
+        """What the Gluon stage 1's cp.async ring copies per tile, plane by plane: the same words its direct
+        loads read (keys as group words, or fp8 bytes; split 3-bit codes as their low and high streams), in
+        the same register layouts. Empty unless mma_stage1."""
+        if not self.mma_stage1:
+            return []
+        layout, words = self.layout, self.D // 8
+        keys, values = layout.key_codes, layout.value_codes
+        fields = []
+        if self.key_fp8:
+            fields.append(RingField("key", "gl.uint8", 1, self.D, "_KEY_CODE_PLANE", "_KEY_CODE_BYTES",
+                                    keys.alignment, "KEY_TILE"))
+        else:
+            unit = 4 if keys.bits == 4 else 2  # a group word: 32 bits of 4-bit codes, else 16 bits
+            fields.append(RingField("key", "gl.int32" if unit == 4 else "gl.uint16", unit, words, "_KEY_CODE_PLANE",
+                                    "_KEY_CODE_BYTES", keys.alignment, "KEY_TILE"))
+            if keys.split:
+                fields.append(RingField("key_high", "gl.uint8", 1, words, "_KEY_CODE_PLANE + _KEY_HIGH_BITS_AT",
+                                        "_KEY_CODE_BYTES", keys.high_bits_alignment, "KEY_TILE"))
+            fields.append(RingField("key_norm", "gl.float16", KEY_NORM_BYTES, 0, "_KEY_NORM_PLANE",
+                                    str(KEY_NORM_BYTES), 16, "TOKENS"))
+        if values.split:  # 32-bit words of two groups' low bits, then the groups' high bytes
+            high_unit = words // 8  # bytes: the high bits of the groups one lane decodes (_mma_tile_layouts)
+            fields.append(RingField("value", "gl.int32", 4, words // 2, "_VALUE_CODE_PLANE", "_VALUE_CODE_BYTES",
+                                    values.alignment, "VALUE_TILE"))
+            fields.append(RingField("value_high", "gl.uint16" if high_unit == 2 else "gl.int32", high_unit, 8,
+                                    "_VALUE_CODE_PLANE + _VALUE_HIGH_BITS_AT", "_VALUE_CODE_BYTES",
+                                    values.high_bits_alignment, "VALUE_HIGH_TILE"))
+        else:
+            fields.append(RingField("value", "gl.int32", 4, words, "_VALUE_CODE_PLANE", "_VALUE_CODE_BYTES",
+                                    values.alignment, "VALUE_TILE"))
+        fields.append(RingField("scale_zero", "gl.int32", VALUE_SCALE_ZERO_BYTES, 0, "_VALUE_SCALE_PLANE",
+                                str(VALUE_SCALE_ZERO_BYTES), 16, "TOKENS"))
+        return fields
 
     # --- code expressions -------------------------------------------------------
     def code_of(self, word: str, k: int, bits: int) -> str:

@@ -1,0 +1,71 @@
+"""Register caps of the Gluon stage 1 side by side: fewer registers, more programs per SM.
+
+    python3 tools/stage1_register_caps.py [--configs configs/k3v4-d128-planes.yaml ...]
+                                          [--shapes 32x16384 8x8192] [--caps 120 104 96 88] [--stages 1 2]
+
+Times a whole decode call (CUDA-graph replay, 32-token tiles, 16 splits, one warp) for each register
+cap (the maxnreg that `_mma_stage1_options` gives the kernel, replaced here) and each ring depth, with
+the copy ceiling measured in the same run. Each cap's output is compared with the first cap's: a cap
+changes only the register allocation, so they must agree (the last column). Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=["configs/k3v4-d128-planes.yaml", "configs/k3v3-d128-planes.yaml"])
+    parser.add_argument("--shapes", nargs="+", default=["32x16384", "8x8192"])
+    parser.add_argument("--caps", nargs="+", type=int, default=[120, 104, 96, 88])
+    parser.add_argument("--stages", nargs="+", type=int, default=[1, 2])
+    args = parser.parse_args()
+
+    import torch
+    import triton
+
+    import tqgen
+    from tqgen import bench, config as config_mod, testing
+
+    ceiling = bench.copy_ceiling_gbps()
+    print(f"copy ceiling {ceiling:.0f} GB/s on {torch.cuda.get_device_name()}; 32 query / 8 KV heads, graph replay")
+    print("| config | batch x context | stages | register cap | us | % of ceiling | error against the first cap |")
+    print("|---|---|---|---|---|---|---|")
+    for path in args.configs:
+        config = config_mod.resolve_arch(config_mod.load(path))
+        module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-caps-"))
+        for shape in args.shapes:
+            batch, context = map(int, shape.split("x"))
+            problem = testing.random_problem(module, config, batch, context, 32, 8, "cuda")
+            codebook = testing.codebook_kwargs(module, "cuda")
+            out = torch.empty_like(problem["query"])
+            workspace = module.DecodeWorkspace(batch, 32, 64, "cuda")
+            nbytes = batch * 8 * context * module.SLOT_BYTES
+            for stages in args.stages:
+                first = None
+                for cap in args.caps:
+                    module._mma_stage1_options = lambda block_kv, cap=cap: dict(num_warps=1, maxnreg=cap)
+
+                    def call(stages=stages):
+                        module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"],
+                                      out=out, workspace=workspace, validate=False, block_kv=32, num_warps=1,
+                                      num_stages=stages, num_splits=16, **codebook)
+
+                    call()
+                    torch.cuda.synchronize()
+                    error = 0.0 if first is None else testing.relative_error(out, first)
+                    first = out.clone() if first is None else first
+                    us = triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
+                    print(f"| {config.name} | {batch} x {context} | {stages} | {cap} | {us:.1f} | "
+                          f"{100 * nbytes / (us * 1e-6) / 1e9 / ceiling:.1f} | {error:.1e} |", flush=True)
+            del problem
+
+
+if __name__ == "__main__":
+    main()
