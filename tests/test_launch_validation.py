@@ -392,10 +392,19 @@ def test_unused_block_table_columns_of_minus_one(make_ctx, device, preset):
     assert relative_error(a, want) < DECODE_TOLERANCE[torch.float32]
 
 
+# A split whose every token is masked (block ids outside the cache, validate=False) ends with a running
+# sum of 0, and stage 1 stores where(running_sum > 0, running_max + log2(running_sum), -inf). Triton's
+# interpreter computes log2 on every lane with numpy, which warns "divide by zero" for that lane before
+# tl.where discards it (a GPU gives -inf silently); the tests below check that the output is finite and
+# right. Only these tests mask whole splits, so only they expect the warning. (log2 of
+# where(running_sum > 0, running_sum, 1) would avoid it, but would change the decode kernels, their
+# hash, and so drop every tuned launch, for a warning of the interpreter.)
+masked_split_log2 = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
 BAD_BLOCK_IDS = [pytest.param(lambda n: n, id="num_blocks"), pytest.param(lambda n: 2**31 - 1, id="int32_max"),
                  pytest.param(lambda n: -1, id="minus_one"), pytest.param(lambda n: -(2**31), id="int32_min")]
 
 
+@masked_split_log2
 @pytest.mark.parametrize("bad_id", BAD_BLOCK_IDS)
 @pytest.mark.parametrize("preset", PRESETS)
 def test_validate_false_with_block_ids_outside_the_cache(make_ctx, device, preset, bad_id):
@@ -417,6 +426,7 @@ def test_validate_false_with_block_ids_outside_the_cache(make_ctx, device, prese
     assert torch.equal(ctx.cache, before)
 
 
+@masked_split_log2
 @pytest.mark.parametrize("preset", PRESETS)
 def test_validate_false_masked_pages_leave_attention_over_the_remaining_tokens(make_ctx, device, preset):
     """launchers: "the result for such a sequence is then attention over the tokens that remain".
