@@ -173,6 +173,10 @@ ROWS = [
     ("store-centroids_short", call("store", centroids=centroids_short), "centroids", (MSE,)),
     ("store-centroids_float16", call("store", centroids=centroids_fp16), "centroids", (MSE,)),
     ("store-centroids_2d", call("store", centroids=centroids_2d), "centroids", (MSE,)),
+    ("store-centroids_descending", call("store", centroids=lambda c: c.codebook["centroids"].flip(0)), "centroids",
+     (MSE,)),
+    ("store-centroids_nan", call("store", centroids=lambda c: with_value(c.codebook["centroids"], 2, float("nan"))),
+     "centroids", (MSE,)),
     ("store-key_on_cpu", call("store", key=cpu("key")), "key", (CUDA,)),
     ("store-value_on_cpu", call("store", value=cpu("value")), "value", (CUDA,)),
     ("store-slot_mapping_on_cpu", call("store", slot_mapping=cpu("slot_mapping")), "slot_mapping", (CUDA,)),
@@ -356,6 +360,27 @@ def test_store_accepts_int32_slots_and_strided_inputs(make_ctx, device, preset):
                      **ctx.codebook)
     assert torch.equal(big[::2], reference_cache)
     assert not big[1::2].any(), "store wrote outside the view it was given"
+
+
+@pytest.mark.parametrize("layout", ["slots", "planes"])
+def test_store_refuses_unsorted_centroids_and_takes_a_sorted_copy(device, build_module, layout):
+    """Keys are coded by the midpoints between neighbouring centroids, so unsorted centroids would write
+    wrong codes: validate=True refuses them, naming the first pair out of order, and writes nothing.
+    A sorted tensor other than the default one is checked and accepted: the same bytes as the default."""
+    config = make_config("k3v4") if layout == "slots" else planes_config("k3v4")
+    module = build_module(config)
+    batch = paged_batch(config, SEQ_LENS, KV_HEADS, device=device, generator=torch.Generator().manual_seed(5))
+    rotation = module.default_rotation(device)
+    sorted_copy = module.default_centroids(device).clone()
+    swapped = sorted_copy[[0, 1, 2, 4, 3, 5, 6, 7]]
+    cache = module.make_cache(batch.num_blocks, KV_HEADS, device)
+    with pytest.raises(module.LaunchError, match=r"^store: centroids must be sorted ascending, got centroids\[3\] = "):
+        module.store(batch.key, batch.value, cache, batch.slot_mapping, rotation=rotation, centroids=swapped)
+    assert not cache.any(), "a refused store wrote to the cache"
+    module.store(batch.key, batch.value, cache, batch.slot_mapping, rotation=rotation, centroids=sorted_copy)
+    default = module.make_cache(batch.num_blocks, KV_HEADS, device)
+    module.store(batch.key, batch.value, default, batch.slot_mapping)
+    assert cache.any() and torch.equal(cache, default)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
