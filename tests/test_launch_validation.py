@@ -9,6 +9,11 @@ validate=False with block ids outside the cache (masked by the kernels).
 """
 
 import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -557,3 +562,48 @@ def test_a_slots_module_names_its_layout_for_a_planes_cache(device, build_module
     with pytest.raises(module.LaunchError, match=r"kv_cache must be \[num_blocks, 16, num_kv_heads, 196\] "
                                                  r"\(this module's cache_layout is slots\)"):
         module.dequantize(planes_cache, table, lens)
+
+
+# --- TRITON_INTERPRET set too late ----------------------------------------------------------
+LATE_INTERPRETER = textwrap.dedent("""
+    import os, sys, torch, tqgen
+    if sys.argv[1] == "triton-first":  # triton imported, then the variable set, then the module imported
+        import triton
+        os.environ["TRITON_INTERPRET"] = "1"
+    module = tqgen.load(sys.argv[2], sys.argv[3])
+    if sys.argv[1] == "after-import":  # the module (and triton) imported, then the variable set
+        os.environ["TRITON_INTERPRET"] = "1"
+    cache = module.make_cache(4, 2, "cpu")
+    key = torch.randn(3, 2, module.HEAD_DIM)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    for call in (lambda: module.store(key, key, cache, torch.arange(3)),
+                 lambda: module.decode(torch.randn(1, 2, module.HEAD_DIM), cache, table, lens),
+                 lambda: module.dequantize(cache, table, lens)):
+        try:
+            call()
+        except module.LaunchError as exc:
+            print(exc)
+        else:
+            print("ran")
+""")
+
+
+@pytest.mark.parametrize("when, expected", [
+    ("after-import", "TRITON_INTERPRET=1 was set after triton was imported"),
+    ("triton-first", "TRITON_INTERPRET=1 was set after triton was imported"),
+    ("never", "CPU tensors need Triton's interpreter"),
+])
+def test_cpu_tensors_without_the_interpreter_at_import_get_one_line(tmp_path, when, expected):
+    """Triton fixes interpreter or compiler per function when it defines it (its library at import), so
+    TRITON_INTERPRET=1 set later used to pass the module's check and fail inside triton ("0 active
+    drivers"). Every launcher now refuses the call, saying to set the variable before Python starts."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(repo)
+    result = subprocess.run([sys.executable, "-c", LATE_INTERPRETER, when, str(repo / "configs/k3v4-d128.yaml"),
+                             str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split(": ")[0] for line in lines] == ["store", "decode", "dequantize"], result.stdout
+    hint = "set TRITON_INTERPRET=1 in the environment before Python starts (before triton is imported)"
+    assert all(expected in line and line.endswith(hint) for line in lines), result.stdout
