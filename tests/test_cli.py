@@ -199,5 +199,21 @@ def test_verify_on_the_cpu_passes_and_reports_each_check(tmp_path):
     assert checks and set(checks) == {"ok"} and len(checks) == 7
 
 
+@pytest.mark.parametrize("interpret", ["1", None], ids=["interpreter", "no-gpu"])
+def test_verify_on_cuda_without_a_gpu_fails_with_one_line(tmp_path, interpret):
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    if interpret is None:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, whatever the machine has
+    else:
+        env["TRITON_INTERPRET"] = interpret
+    result = subprocess.run([sys.executable, "-m", "tqgen.cli", "verify", K3V4, "--device", "cuda", "--cache-dir",
+                             tmp_path], cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                            timeout=120)
+    stderr = assert_one_line_error(result)
+    assert "--device cuda" in stderr and "--device cpu" in stderr
+    assert ("unset TRITON_INTERPRET" if interpret else "needs a CUDA GPU") in stderr
+    assert result.stdout == "" and folder_is_empty(tmp_path)
+
+
 def test_bench_without_a_gpu_fails_with_one_line():
     assert "needs a CUDA GPU" in assert_one_line_error(tqgen("bench", K3V4))
