@@ -139,7 +139,31 @@ def test_unwritable_output_fails_with_one_line(tmp_path):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     stderr = assert_one_line_error(tqgen("build", K3V4, "-o", blocker))
-    assert str(blocker) in stderr
+    assert f"the folder {blocker} cannot be written: it is a file" in stderr
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("folder, why", [("/proc/forbidden", "it cannot be created"),
+                                         ("/proc", f"/proc/{expected_module_name(K3V4)} cannot be created")])
+def test_output_folder_that_takes_no_files_fails_with_one_line(folder, why):
+    # /proc takes no new folders or files, even from root, and answers "No such file or directory",
+    # which names the wrong thing.
+    stderr = assert_one_line_error(tqgen("build", K3V4, "-o", folder))
+    assert f"the folder {folder} cannot be written: {why} (the file system does not allow it)" in stderr
+    assert "No such file" not in stderr
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_output_folder_fails_with_one_line(tmp_path):
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        stderr = assert_one_line_error(tqgen("build", K3V4, "-o", folder))
+    finally:
+        folder.chmod(0o700)
+    assert f"the folder {folder} cannot be written" in stderr and "Permission denied" in stderr
+    assert folder_is_empty(folder)
 
 
 @pytest.mark.parametrize("command", ["show", "render"])
@@ -197,6 +221,22 @@ def test_verify_on_the_cpu_passes_and_reports_each_check(tmp_path):
     assert lines[-1] == "all checks passed"
     checks = [line.split()[0] for line in lines if line.startswith("  ")]
     assert checks and set(checks) == {"ok"} and len(checks) == 7
+
+
+@pytest.mark.parametrize("interpret", ["1", None], ids=["interpreter", "no-gpu"])
+def test_verify_on_cuda_without_a_gpu_fails_with_one_line(tmp_path, interpret):
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    if interpret is None:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, whatever the machine has
+    else:
+        env["TRITON_INTERPRET"] = interpret
+    result = subprocess.run([sys.executable, "-m", "tqgen.cli", "verify", K3V4, "--device", "cuda", "--cache-dir",
+                             tmp_path], cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                            timeout=120)
+    stderr = assert_one_line_error(result)
+    assert "--device cuda" in stderr and "--device cpu" in stderr
+    assert ("unset TRITON_INTERPRET" if interpret else "needs a CUDA GPU") in stderr
+    assert result.stdout == "" and folder_is_empty(tmp_path)
 
 
 def test_bench_without_a_gpu_fails_with_one_line():

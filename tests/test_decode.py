@@ -270,8 +270,8 @@ def test_stage2_ignores_what_empty_splits_left_in_the_workspace(device, build_mo
 def test_decode_with_an_unsorted_asymmetric_codebook(device, build_module, key_bits):
     """The register byte tables come from the centroids passed, whatever their order and signs
     (the default codebook is sorted and symmetric): decode with a shuffled one. The store
-    assumes sorted centroids, so these codes quantize badly; decode must still look up
-    exactly the entries the reference does."""
+    needs sorted centroids (stored_cache passes validate=False for these), so these codes
+    quantize badly; decode must still look up exactly the entries the reference does."""
     config = planes_config("k4v4", key_bits=key_bits)
     module = build_module(config)
     generator = torch.Generator().manual_seed(key_bits)

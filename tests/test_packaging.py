@@ -61,3 +61,21 @@ def test_readme_example_runs(monkeypatch, tmp_path):
     original = namespace["key"].float().transpose(0, 1)
     assert ((keys[0].float() - original).norm() / original.norm()) < 0.3
     assert list(tmp_path.glob("tq_kmse3_v4_d128_*.py"))
+
+
+def test_readme_cpu_example_runs_as_the_readme_says(tmp_path):
+    """The section's CPU program, saved as the README names it and run with the README's command from the
+    repository's root: TRITON_INTERPRET=1 set in the environment before Python starts, nowhere else."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Without a GPU"):text.index("### The API")]
+    command = re.search(r"```bash\n(.*?)\n```", section, re.S).group(1)
+    program = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert command == "TRITON_INTERPRET=1 python cpu_example.py"
+    assert "TRITON_INTERPRET" not in program and '"cuda"' not in program
+    (tmp_path / "cpu_example.py").write_text(program)
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env.update(TRITON_INTERPRET="1", TQGEN_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, str(tmp_path / "cpu_example.py")], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "(2, 32, 128) (2, 8, 20, 128)\n"

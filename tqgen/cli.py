@@ -104,6 +104,12 @@ def _show_tuned(config, tuned_dir) -> None:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if _cuda_available() else "cpu")
+    if device == "cuda" and not _cuda_available():
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            raise TqgenError("verify --device cuda runs the compiled kernels; unset TRITON_INTERPRET, "
+                             "or check them in the interpreter with --device cpu")
+        raise TqgenError("verify --device cuda needs a CUDA GPU (torch finds none here); "
+                         "--device cpu checks the kernels in Triton's interpreter")
     if device == "cpu":
         # Triton reads this when it is first imported, so set it before anything imports it.
         os.environ.setdefault("TRITON_INTERPRET", "1")

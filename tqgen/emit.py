@@ -62,11 +62,30 @@ def build(config_or_path: ConfigLike, out_dir: str | os.PathLike | None = None,
     path = out / f"{config.artifact_name()}.py"
     root = Path(tuned_dir) if tuned_dir is not None else default_tuned_dir()
     source = render(config, tuned_files.baked_launches(root, config, _warn))
+    _make_folder(out)
     try:
         write_atomic(path, source.encode("utf-8"))
     except OSError as exc:
-        raise TqgenError(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise TqgenError(f"the folder {out} cannot be written: {path} cannot be created ({_why(exc)})") from None
     return path
+
+
+def _make_folder(out: Path) -> None:
+    """Create the output folder, or say in one line why it cannot be."""
+    if out.exists() and not out.is_dir():
+        raise TqgenError(f"the folder {out} cannot be written: it is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TqgenError(f"the folder {out} cannot be written: it cannot be created ({_why(exc)})") from None
+
+
+def _why(exc: OSError) -> str:
+    """The system's reason, except 'No such file or directory': what /proc and the like answer for a
+    name they do not take, which would point at the wrong thing."""
+    if isinstance(exc, FileNotFoundError) or not exc.strerror:
+        return "the file system does not allow it"
+    return exc.strerror
 
 
 def import_module_file(path: str | os.PathLike) -> ModuleType:
