@@ -255,7 +255,6 @@ def _stored_cache(module, config, num_blocks, first_slot, tokens, seed):
 MANY_LENS = [1, 15, 16, 17, 63, 64, 65, 300, 1025, 0]
 
 
-RING_STAGES = sorted(set(tuner.SearchSpace().num_stages) - {1} | {2, 3})  # the ring depths the tuner may pick
 MMA_CASES = [  # (preset, head_dim, page, block_kv, group_size, num_splits, num_stages)
     *[(preset, head_dim, page, block_kv, 4, 3, stages)
       for preset, head_dim, page in [("k3v4", 128, 16), ("k4v4", 128, 16), ("k3v4", 64, 16), ("k4v4", 256, 16),
