@@ -89,13 +89,17 @@ def test_tile_layouts_give_each_lane_the_units_the_kernel_assumes(build_module, 
     module = build_module(config)
     tiles = module._mma_tile_layouts(block_kv)
     words = head_dim // 8
-    value_units = [words // 2, 8] if config.value_bits == 3 else [words]
-    assert len(tiles) == 1 + len(value_units)
+    units = dict(KEY_TILE=key_units(config), VALUE_TILE=words // 2 if config.value_bits == 3 else words)
+    if config.value_bits == 3:
+        units["VALUE_HIGH_TILE"] = 8
+    if config.key_format == "mse" and config.key_bits == 3:  # split keys: 32-bit pairs of words, high bytes
+        units.update(KEY_PAIR_TILE=words // 2, KEY_HIGH_TILE=words // max(2, min(4, head_dim // 32)))
+    assert {name: tile.shape for name, tile in tiles.items()} \
+        == {name: [block_kv // min(block_kv, page), min(block_kv, page), count] for name, count in units.items()}
     positions = min(block_kv, page)
-    for layout, units in zip(tiles, [key_units(config)] + value_units):
-        assert layout.shape == [block_kv // positions, positions, units]
-    keys = tiles[0]
-    for layout, words_per_lane in [(keys, key_units(config) // 4)] + [(tile, tile.shape[2] // 8) for tile in tiles[1:]]:
+    key_tiles = [tile for name, tile in tiles.items() if name.startswith("KEY")]
+    for layout in tiles.values():
+        words_per_lane = layout.shape[2] // (4 if layout in key_tiles else 8)
         words = layout.shape[2]
         registers = 1 << len(layout.reg_bases)
         assert registers * 32 == block_kv * words  # no element held twice
@@ -107,7 +111,7 @@ def test_tile_layouts_give_each_lane_the_units_the_kernel_assumes(build_module, 
                 page_index, position, word = _coordinates(layout, register, lane)
                 token = page_index * positions + position
                 seen.add((token, word))
-                if layout is keys:  # MMA rows: token l // 4 + 8 r; words W/4 (l % 4) + i
+                if layout in key_tiles:  # MMA rows: token l // 4 + 8 r; units U/4 (l % 4) + i
                     assert token % 8 == lane // 4 and word // words_per_lane == lane % 4
                 else:  # MMA K columns: token 2 (l % 4) + e + 8 r; words W/8 (l // 4) + j
                     assert token % 8 // 2 == lane % 4 and word // words_per_lane == lane // 4
@@ -228,7 +232,7 @@ def test_decode_takes_the_mma_kernel_where_it_can(build_module, monkeypatch, pre
         grid, args, launch = mma.launches[0]
         assert grid == (batch, 2, 2)
         tiles = module._mma_tile_layouts(64)
-        assert tuple(launch[name] for name in ("KEY_TILE", "VALUE_TILE", "VALUE_HIGH_TILE")[:len(tiles)]) == tiles
+        assert {name: launch[name] for name in tiles} == tiles
         assert (launch["BLOCK_KV"], launch["BLOCK_H"], launch["TILE_PAGES"], launch["TILE_POSITIONS"], launch["num_warps"]) \
             == (64, 8, 4, 16, 1)
 
@@ -287,10 +291,14 @@ def test_mma_decode_matches_reference(build_module, monkeypatch, preset, head_di
 
 @pytest.mark.parametrize("variant", ["no_norm_correction", "asymmetric_codebook", "fp16_query", "bf16_query",
                                      "strided_query", "two_bit_keys", "fp8_fp16_query", "fp8_bf16_query",
-                                     "fp8_strided_query", "four_bit_keys_three_bit_values"])
+                                     "fp8_strided_query", "four_bit_keys_three_bit_values",
+                                     "four_bit_keys_asymmetric_codebook"])
 @gpu_test
 def test_mma_decode_variants(build_module, monkeypatch, variant):
-    if variant == "two_bit_keys":
+    if variant == "four_bit_keys_asymmetric_codebook":  # the 16-entry lookup, not the magnitudes' one
+        config = mma_config("k4v4")
+        variant = "asymmetric_codebook"
+    elif variant == "two_bit_keys":
         config = make_config("k3v4", cache_layout="planes", key_bits=2)
     elif variant == "four_bit_keys_three_bit_values":
         config = make_config("k3v3", cache_layout="planes", key_bits=4)
@@ -309,6 +317,24 @@ def test_mma_decode_variants(build_module, monkeypatch, variant):
     check_decode(module, config, "cuda", [300, 17, 64], codebook=codebook, dtype=dtype,
                  strided_query=variant == "strided_query", num_warps=1, block_kv=64)
     assert len(spy.launches) == 1
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+@gpu_test
+def test_symmetric_codebook_lookup_equals_the_general_one(build_module, monkeypatch, num_stages):
+    """4-bit keys: the default centroids (recognized by address) take the lookup of 8 magnitudes and a sign;
+    the same values in another tensor take the 16-entry lookup. Both must decode to the same bits."""
+    config = mma_config("k4v4")
+    module = build_module(config)
+    spy = _spy(module, monkeypatch)
+    codebook = codebook_kwargs(module, config, "cuda")
+    default = module.default_centroids("cuda")
+    outputs = []
+    for centroids in (default, default.clone()):
+        outputs.append(check_decode(module, config, "cuda", [700, 33, 64, 1], codebook=dict(codebook, centroids=centroids),
+                                    num_warps=1, block_kv=32, num_stages=num_stages, num_splits=3))
+    assert [launch["SYMMETRIC_CODEBOOK"] for _, _, launch in spy.launches] == [True, False]
+    assert torch.equal(outputs[0], outputs[1])
 
 
 @pytest.mark.parametrize("preset", ["k3v4", "k3v3", "k8v4"])

@@ -102,7 +102,7 @@ def specializations(module):
             for group_size, dependent, stages in ((4, False, 1), (1, True, 1), (8, False, 1), (16, False, 1),
                                                   (4, False, 2), (4, False, 3), (1, True, 2)):
                 constants = module._mma_stage1_constants(block_kv, group_size, dependent, stages)
-                options = dict(module._mma_stage1_options(block_kv))
+                options = dict(module._mma_stage1_options(block_kv, group_size))
                 warps = options.pop("num_warps")
                 specs.append((f"stage1_mma_kv{block_kv}_g{group_size}_dep{int(dependent)}_st{stages}",
                               module.tq_decode_stage1_mma, constants, warps, 1, GluonASTSource, options))

@@ -90,7 +90,7 @@ def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_lau
     from triton.experimental.gluon._runtime import GluonASTSource
 
     constants = module._mma_stage1_constants(block_kv, group_size, dependent_launch, stages)
-    options = dict(module._mma_stage1_options(block_kv))
+    options = dict(module._mma_stage1_options(block_kv, group_size))
     return _compile_sm90(module.tq_decode_stage1_mma, constants, POINTER_TYPES, ("stride_",), options.pop("num_warps"), 1,
                          GluonASTSource, **options)
 

@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["32x16384", "8x8192"])
     parser.add_argument("--caps", nargs="+", type=int, default=[120, 104, 96, 88])
     parser.add_argument("--stages", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--q-heads", type=int, default=32, help="query heads (8 KV heads): 128 for 16 per KV head")
     args = parser.parse_args()
 
     import torch
@@ -42,15 +43,15 @@ def main() -> None:
         module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-caps-"))
         for shape in args.shapes:
             batch, context = map(int, shape.split("x"))
-            problem = testing.random_problem(module, config, batch, context, 32, 8, "cuda")
+            problem = testing.random_problem(module, config, batch, context, args.q_heads, 8, "cuda")
             codebook = testing.codebook_kwargs(module, "cuda")
             out = torch.empty_like(problem["query"])
-            workspace = module.DecodeWorkspace(batch, 32, 64, "cuda")
+            workspace = module.DecodeWorkspace(batch, args.q_heads, 64, "cuda")
             nbytes = batch * 8 * context * module.SLOT_BYTES
             for stages in args.stages:
                 first = None
                 for cap in args.caps:
-                    module._mma_stage1_options = lambda block_kv, cap=cap: dict(num_warps=1, maxnreg=cap)
+                    module._mma_stage1_options = lambda block_kv, group_size=4, cap=cap: dict(num_warps=1, maxnreg=cap)
 
                     def call(stages=stages):
                         module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"],

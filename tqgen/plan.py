@@ -17,6 +17,10 @@ Decisions, each with its reason:
 - `stage1_rotates_query`: "planes" MSE keys under the Hadamard rotation at head_dim 128
   (the only one timed): the tl.dot stage 1 can rotate the query itself at small batches,
   one launch fewer than tq_prepare_query.
+- `symmetric_key_lookup`: the Gluon stage 1 on 4-bit MSE keys carries a second codebook lookup
+  for codebooks with c[15 - i] == -c[i] (the default Lloyd-Max levels, recognized by address): a
+  table of the 8 magnitudes takes one byte permute per four codes where 16 entries take three.
+  3-bit keys gain nothing from it (their 8 entries already fit one permute).
 - `min_capability`: 8.9 for hardware fp8 keys, else 8.0 (mma.sync, cp.async).
 """
 
@@ -144,6 +148,10 @@ class Plan:
         return layout.planes and keys_ok and values_ok and layout.head_dim in MMA_HEAD_DIMS
 
     @property
+    def symmetric_key_lookup(self) -> bool:
+        return self.mma_stage1 and not self.layout.key_fp8 and self.layout.key_bits == 4
+
+    @property
     def hadamard_keys(self) -> bool:
         """MSE keys under the config's Hadamard rotation: the store rotates them by a Walsh-Hadamard transform
         (and stage 1 its query, where stage1_rotates_query), so the module carries one."""
@@ -214,12 +222,17 @@ class Plan:
             fields.append(RingField("key", "gl.uint8", 1, self.D, "_KEY_CODE_PLANE", "_KEY_CODE_BYTES",
                                     keys.alignment, "KEY_TILE"))
         else:
-            unit = 4 if keys.bits == 4 else 2  # a group word: 32 bits of 4-bit codes, else 16 bits
-            fields.append(RingField("key", "gl.int32" if unit == 4 else "gl.uint16", unit, words, "_KEY_CODE_PLANE",
-                                    "_KEY_CODE_BYTES", keys.alignment, "KEY_TILE"))
-            if keys.split:
-                fields.append(RingField("key_high", "gl.uint8", 1, words, "_KEY_CODE_PLANE + _KEY_HIGH_BITS_AT",
-                                        "_KEY_CODE_BYTES", keys.high_bits_alignment, "KEY_TILE"))
+            if keys.split:  # 32-bit pairs of group words' low bits, then the group words' high bytes
+                high_unit = self.split_key_high_unit
+                fields.append(RingField("key", "gl.int32", 4, words // 2, "_KEY_CODE_PLANE", "_KEY_CODE_BYTES",
+                                        keys.alignment, "KEY_PAIR_TILE"))
+                fields.append(RingField("key_high", "gl.uint16" if high_unit == 2 else "gl.int32", high_unit,
+                                        words // high_unit, "_KEY_CODE_PLANE + _KEY_HIGH_BITS_AT", "_KEY_CODE_BYTES",
+                                        keys.high_bits_alignment, "KEY_HIGH_TILE"))
+            else:  # group words: 32 bits of 4-bit codes, 16 of 2-bit codes
+                unit = 4 if keys.bits == 4 else 2
+                fields.append(RingField("key", "gl.int32" if unit == 4 else "gl.uint16", unit, words,
+                                        "_KEY_CODE_PLANE", "_KEY_CODE_BYTES", keys.alignment, "KEY_TILE"))
             fields.append(RingField("key_norm", "gl.float16", KEY_NORM_BYTES, 0, "_KEY_NORM_PLANE",
                                     str(KEY_NORM_BYTES), 16, "TOKENS"))
         if values.split:  # 32-bit words of two groups' low bits, then the groups' high bytes
@@ -235,6 +248,12 @@ class Plan:
         fields.append(RingField("scale_zero", "gl.int32", VALUE_SCALE_ZERO_BYTES, 0, "_VALUE_SCALE_PLANE",
                                 str(VALUE_SCALE_ZERO_BYTES), 16, "TOKENS"))
         return fields
+
+    @property
+    def split_key_high_unit(self) -> int:
+        """Split 3-bit keys in the Gluon stage 1: bytes of the high-bit stream one lane loads per token, one
+        per group word it decodes (D // 32: a lane decodes a quarter of a token's group words)."""
+        return max(2, min(4, self.D // 32))
 
     # --- code expressions -------------------------------------------------------
     def code_of(self, word: str, k: int, bits: int) -> str:
@@ -265,6 +284,37 @@ class Plan:
             moved = word if shift == 0 else f"({word} >> {shift})" if shift > 0 else f"({word} << {-shift})"
             terms.append(f"({moved} & 0x{mask:X})")
         return terms[0][1:-1] if len(terms) == 1 else " | ".join(terms)
+
+    def split_key_selector(self, low: str, high: str, first_code: int) -> str:
+        """Split 3-bit keys, two group words at once: the expression that puts codes first_code..first_code+3
+        of group word e into nibbles 0..3 of bits 16e.. (a byte-permute selector in each 16-bit half). `low`
+        holds the words' 2-bit low streams (word e at bits 16e..), `high` their high bytes at bits 16e..16e+7.
+
+        Low bits are masked where they lie after one right shift per distance (as nibble_selector); high bits
+        are masked and moved left by multiplies, whose sum the compiler fuses into multiply-adds: the
+        integer pipe then does one mask per distance, the multiplier the rest.
+        """
+        layout = self.layout
+        low_masks: dict[int, int] = {}  # right shift -> destination mask (one 16-bit half)
+        high_masks: dict[int, int] = {}  # left shift -> source mask
+        for k in range(4):
+            code = first_code + k
+            for bit in range(2):
+                shift = layout.group_word_bit(3, code, bit) - (4 * k + bit)
+                low_masks[shift] = low_masks.get(shift, 0) | 1 << (4 * k + bit)
+            source = layout.group_word_bit(3, code, 2) - 16
+            shift = 4 * k + 2 - source
+            assert shift >= 0, (code, source)
+            high_masks[shift] = high_masks.get(shift, 0) | 1 << source
+        pair = 0x10001  # the same mask in both 16-bit halves
+        terms = []
+        for shift, mask in sorted(low_masks.items()):
+            assert shift >= 0, "split low bits never move left"
+            moved = low if shift == 0 else f"({low} >> {shift})"
+            terms.append(f"({moved} & 0x{mask * pair:08X})")
+        moved_high = [f"({high} & 0x{mask * pair:08X})" + (f" * {1 << shift}" if shift else "")
+                      for shift, mask in sorted(high_masks.items())]
+        return " | ".join(terms) + " | (" + " + ".join(moved_high) + ")"
 
     @property
     def split_value_codes(self) -> list[tuple[str, int]]:
