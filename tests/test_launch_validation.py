@@ -145,10 +145,24 @@ def rotation_1d(c): return c.codebook["rotation"][0]
 def centroids_short(c): return c.codebook["centroids"][:-1]
 def centroids_fp16(c): return c.codebook["centroids"].half()
 def centroids_2d(c): return c.codebook["centroids"][None]
-def cpu(name): return lambda c: getattr(c, name).cpu()
+def other_device(c): return "meta" if c.device == "cpu" else "cpu"  # a device other than the cache's
 
 
-MSE, CUDA = "mse", "cuda"  # row flags: MSE configs only; needs a CUDA cache (a CPU tensor mixed in)
+def elsewhere(name):
+    """A builder: the call's tensor `name` (rotation, centroids: the codebook's) on a device other than the cache's."""
+    return lambda c: (c.codebook[name] if name in c.codebook else getattr(c, name)).to(other_device(c))
+
+
+def workspace_with_buffer_elsewhere(buffer):
+    """A builder: a workspace that fits the call, but with one of its buffers on a device other than the cache's."""
+    def make(c):
+        workspace = c.module.DecodeWorkspace(len(SEQ_LENS), KV_HEADS * GROUP, 8, c.device)
+        setattr(workspace, buffer, getattr(workspace, buffer).to(other_device(c)))
+        return workspace
+    return make
+
+
+MSE, CUDA = "mse", "cuda"  # row flags: MSE configs only; needs a CUDA cache (a CPU tensor that is right on a CPU)
 
 # (case id, builder, expected substring of the message, flags)
 ROWS = [
@@ -182,11 +196,11 @@ ROWS = [
      (MSE,)),
     ("store-centroids_nan", call("store", centroids=lambda c: with_value(c.codebook["centroids"], 2, float("nan"))),
      "centroids", (MSE,)),
-    ("store-key_on_cpu", call("store", key=cpu("key")), "key", (CUDA,)),
-    ("store-value_on_cpu", call("store", value=cpu("value")), "value", (CUDA,)),
-    ("store-slot_mapping_on_cpu", call("store", slot_mapping=cpu("slot_mapping")), "slot_mapping", (CUDA,)),
-    ("store-rotation_on_cpu", call("store", rotation=lambda c: c.codebook["rotation"].cpu()), "rotation",
-     (MSE, CUDA)),
+    ("store-key_elsewhere", call("store", key=elsewhere("key")), "key is on", ()),
+    ("store-value_elsewhere", call("store", value=elsewhere("value")), "value is on", ()),
+    ("store-slot_mapping_elsewhere", call("store", slot_mapping=elsewhere("slot_mapping")), "slot_mapping is on", ()),
+    ("store-rotation_elsewhere", call("store", rotation=elsewhere("rotation")), "rotation is on", (MSE,)),
+    ("store-centroids_elsewhere", call("store", centroids=elsewhere("centroids")), "centroids is on", (MSE,)),
     # ---------------- decode ----------------
     ("decode-query_int32", call("decode", query=lambda c: c.query.to(torch.int32)), "query", ()),
     ("decode-query_float64", call("decode", query=lambda c: c.query.double()), "query", ()),
@@ -225,15 +239,19 @@ ROWS = [
     ("decode-rotation_float64", call("decode", rotation=rotation_fp64), "rotation", (MSE,)),
     ("decode-centroids_short", call("decode", centroids=centroids_short), "centroids", (MSE,)),
     ("decode-centroids_float16", call("decode", centroids=centroids_fp16), "centroids", (MSE,)),
-    ("decode-query_on_cpu", call("decode", query=cpu("query")), "query", (CUDA,)),
-    ("decode-block_table_on_cpu", call("decode", block_table=cpu("table")), "block_table", (CUDA,)),
-    ("decode-seq_lens_on_cpu", call("decode", seq_lens=cpu("lens")), "seq_lens", (CUDA,)),
+    ("decode-query_elsewhere", call("decode", query=elsewhere("query")), "query is on", ()),
+    ("decode-block_table_elsewhere", call("decode", block_table=elsewhere("table")), "block_table is on", ()),
+    ("decode-seq_lens_elsewhere", call("decode", seq_lens=elsewhere("lens")), "seq_lens is on", ()),
     ("decode-out_on_cpu", call("decode", out=lambda c: torch.empty(c.query.shape)), "out", (CUDA,)),
     ("decode-workspace_other_device", call("decode", workspace=lambda c: c.module.DecodeWorkspace(
-        4, KV_HEADS * GROUP, 8, "meta" if c.device == "cpu" else "cpu")), "workspace", ()),
+        4, KV_HEADS * GROUP, 8, other_device(c))), "workspace", ()),
     ("decode-out_other_device", call("decode", out=lambda c: torch.empty(c.query.shape, device="meta")), "out", ()),
-    ("decode-centroids_on_cpu", call("decode", centroids=lambda c: c.codebook["centroids"].cpu()), "centroids",
-     (MSE, CUDA)),
+    ("decode-workspace_partial_lse_elsewhere", call("decode", workspace=workspace_with_buffer_elsewhere("partial_lse")),
+     "workspace.partial_lse is on", ()),
+    ("decode-workspace_query_elsewhere", call("decode", workspace=workspace_with_buffer_elsewhere("query")),
+     "workspace.query is on", (MSE,)),
+    ("decode-rotation_elsewhere", call("decode", rotation=elsewhere("rotation")), "rotation is on", (MSE,)),
+    ("decode-centroids_elsewhere", call("decode", centroids=elsewhere("centroids")), "centroids is on", (MSE,)),
     # ---------------- dequantize ----------------
     ("dequantize-block_table_int64", call("dequantize", block_table=lambda c: c.table.long()), "block_table", ()),
     ("dequantize-seq_lens_int64", call("dequantize", seq_lens=lambda c: c.lens.long()), "seq_lens", ()),
@@ -262,10 +280,11 @@ ROWS = [
     ("dequantize-rotation_1d", call("dequantize", rotation=rotation_1d), "rotation", (MSE,)),
     ("dequantize-centroids_2d", call("dequantize", centroids=centroids_2d), "centroids", (MSE,)),
     ("dequantize-centroids_float16", call("dequantize", centroids=centroids_fp16), "centroids", (MSE,)),
-    ("dequantize-block_table_on_cpu", call("dequantize", block_table=cpu("table")), "block_table", (CUDA,)),
-    ("dequantize-seq_lens_on_cpu", call("dequantize", seq_lens=cpu("lens")), "seq_lens", (CUDA,)),
-    ("dequantize-rotation_on_cpu", call("dequantize", rotation=lambda c: c.codebook["rotation"].cpu()),
-     "rotation", (MSE, CUDA)),
+    ("dequantize-block_table_elsewhere", call("dequantize", block_table=elsewhere("table")), "block_table is on", ()),
+    ("dequantize-seq_lens_elsewhere", call("dequantize", seq_lens=elsewhere("lens")), "seq_lens is on", ()),
+    ("dequantize-rotation_elsewhere", call("dequantize", rotation=elsewhere("rotation")), "rotation is on", (MSE,)),
+    ("dequantize-centroids_elsewhere", call("dequantize", centroids=elsewhere("centroids")), "centroids is on",
+     (MSE,)),
 ]
 # Every launcher checks the cache through the same function (_check_cache): the same wrong caches for each.
 WRONG_CACHES = {
