@@ -85,7 +85,12 @@ def preset_arguments(cache_dtype: str, head_dim: int) -> dict:
     mse_bits, key_packed_size, value_quant_bits, key_fp8, norm_correction."""
     if cache_dtype not in VLLM_PRESETS:
         raise VllmArgumentError(f"cache dtype {cache_dtype!r} is not one of {', '.join(VLLM_PRESETS)}")
-    key_bits, value_bits, norm_correction = VLLM_PRESETS[cache_dtype]
+    return format_arguments(*VLLM_PRESETS[cache_dtype], head_dim)
+
+
+def format_arguments(key_bits: int, value_bits: int, norm_correction: bool, head_dim: int) -> dict:
+    """The format arguments of vLLM's kernels for key bits (8: fp8 keys), value bits, norm correction
+    and head dim, as its backend computes them."""
     key_fp8 = key_bits == 8
     return dict(mse_bits=0 if key_fp8 else key_bits,
                 key_packed_size=head_dim if key_fp8 else math.ceil(head_dim * key_bits / 8) + 2,
@@ -124,7 +129,8 @@ def _config(fn, device, head_dim, block_size, key_fp8, mse_bits, key_packed_size
     """The tqgen config of vLLM's format arguments, arch resolved for the device; one-line refusals."""
     lowest, highest, step = config_mod.HEAD_DIM_MIN, config_mod.HEAD_DIM_MAX, config_mod.HEAD_DIM_STEP
     if not (lowest <= head_dim <= highest and head_dim % step == 0):
-        _refuse(fn, f"head_dim {head_dim} is not supported: tqgen builds multiples of {step} from {lowest} to {highest}")
+        _refuse(fn, f"head_dim {head_dim} is not supported: tqgen builds multiples of {step} "
+                f"from {lowest} to {highest}")
     if block_size not in config_mod.BLOCK_SIZES:
         _refuse(fn, f"kv_cache has pages of {block_size} tokens (dim 1), expected a power of two up to "
                 f"{config_mod.BLOCK_SIZES[-1]}")
