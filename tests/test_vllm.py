@@ -285,6 +285,25 @@ def test_decode_writes_into_vllms_buffers_and_builds_nothing_after_the_first_cal
     assert relative_error(out, plain) < 1e-3
 
 
+def test_a_continuation_chunk_decodes_through_an_expanded_block_table(device):
+    """vLLM's short continuation chunks: each of the chunk's queries decoded as a sequence of its own,
+    through `block_table[i:i + 1].expand(q_len, -1)` (row stride 0) and seq_lens cached_len + 1 ..
+    seq_len sliced from an arange; query positions see the tokens up to their own (causal)."""
+    p = stored_problem("turboquant_4bit_nc", 128, device, seq_lens=(40,))
+    q_len, seq_len = 6, 40
+    arange = torch.arange(0, seq_len + 1, dtype=torch.int32, device=device)
+    block_table = p.block_table[0:1].expand(q_len, -1)
+    assert block_table.stride(0) == 0
+    seq_lens = arange[seq_len - q_len + 1:seq_len + 1]
+    query = torch.randn(q_len, 8, 128, generator=torch.Generator().manual_seed(4)).half().to(device)
+    out = vllm.triton_turboquant_decode_attention(query, p.cache, block_table, seq_lens, p.pi, p.centroids,
+                                                  128**-0.5, PiT=p.pi, **p.arguments)
+    config = make_config("k4v4", head_dim=128)
+    want = reference_decode(config, query.cpu(), p.cache.cpu(), block_table.cpu(), seq_lens.cpu(), p.pi.cpu(),
+                            p.centroids.cpu(), 128**-0.5, key_fp8=False)
+    assert relative_error(out.cpu(), want) < DECODE_TOLERANCE[torch.float16]
+
+
 @pytest.mark.skipif(not INTERPRET, reason="a CPU test")
 @pytest.mark.parametrize("num_splits,max_splits", [(3, 4), (4, 4)])
 def test_decode_workspace_is_carved_out_of_mid_o_buf(num_splits, max_splits):

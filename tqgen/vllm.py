@@ -47,6 +47,7 @@ Differences from vLLM's kernels, all deliberate:
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import math
 
@@ -298,7 +299,11 @@ def _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_di
         if buf_holder is not None:
             buf_holder._tq_mid_o_buf = mid_o_buf
     flat = mid_o_buf.view(-1)
-    workspace = object.__new__(module.DecodeWorkspace)  # its fields only: the buffers are vLLM's
+    # A copy of an empty workspace of this module (whatever fields its class sets), given vLLM's buffers.
+    key = ("workspace", id(module), num_q_heads, device)
+    if key not in _derived:
+        _derived[key] = (module, module.DecodeWorkspace(0, num_q_heads, 1, device))
+    workspace = copy.copy(_derived[key][1])
     workspace.max_batch, workspace.num_q_heads, workspace.max_splits = batch, num_q_heads, num_splits
     workspace.partial_out = flat[:partial_floats].view(batch, num_q_heads, num_splits, head_dim)
     workspace.partial_lse = flat[partial_floats:partial_floats + lse_floats].view(batch, num_q_heads, num_splits)
