@@ -120,6 +120,29 @@ def test_store_rejects_bad_arguments(device, build_module):
         module.store(key, key, cache, torch.tensor([0, 1, 64], device=device))
 
 
+def test_boundaries_replace_the_midpoints_of_the_centroids(device, build_module):
+    """boundaries= (what a caller holding only the midpoints passes, as vLLM's store does) codes keys
+    like centroids whose midpoints they are; unsorted or misshapen boundaries are refused."""
+    config = make_config("k3v4")
+    module = build_module(config)
+    batch = paged_batch(config, [21], num_kv_heads=2, device=device, generator=torch.Generator().manual_seed(8))
+    centroids = torch.sort(module.default_centroids(device) * torch.linspace(0.7, 1.3, 8, device=device)).values
+    by_centroids = module.make_cache(batch.num_blocks, 2, device)
+    by_boundaries = by_centroids.clone()
+    module.store(batch.key, batch.value, by_centroids, batch.slot_mapping, centroids=centroids)
+    module.store(batch.key, batch.value, by_boundaries, batch.slot_mapping,
+                 boundaries=reference.decision_boundaries(centroids))
+    assert torch.equal(by_boundaries, by_centroids)
+    default = module.make_cache(batch.num_blocks, 2, device)
+    module.store(batch.key, batch.value, default, batch.slot_mapping)
+    assert not torch.equal(default, by_centroids)  # the boundaries were not the default ones
+    with pytest.raises(module.LaunchError, match="boundaries must be sorted ascending"):
+        module.store(batch.key, batch.value, default, batch.slot_mapping,
+                     boundaries=reference.decision_boundaries(centroids).flip(0))
+    with pytest.raises(module.LaunchError, match="boundaries must have 7 entries"):
+        module.store(batch.key, batch.value, default, batch.slot_mapping, boundaries=centroids)
+
+
 @pytest.mark.parametrize("layout", ["slots", "planes"])
 def test_hadamard_keys_are_rotated_in_the_kernel_and_other_matrices_by_torch(device, build_module, layout,
                                                                              monkeypatch):

@@ -14,6 +14,10 @@ For each (config, batch, context) it reports, all measured in the same process:
 
 Store and dequantize are timed the same way (graph replay), counting bytes
 read plus bytes written against the same ceiling.
+
+`bench_vllm_decode` times the drop-in for vLLM (tqgen.vllm) as vLLM's backend calls it: on
+vLLM's head-major cache, with its workspace buffers and split cap, against the same ceiling and
+SDPA, and against the module's own decode on the same bytes position-major.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from .testing import codebook_kwargs, random_problem
 from .tuned_files import LAUNCH_FIELDS, candidate_id
 
 SEED_LAUNCH = dict(num_splits=32, block_kv=32, num_warps=1, num_stages=1)
+VLLM_MAX_KV_SPLITS = 32  # the split cap vLLM's backend passes by default (tq_max_kv_splits_for_cuda_graph)
 
 
 @dataclasses.dataclass
@@ -63,6 +68,21 @@ class OpRow:
     nbytes: int
     gbps: float
     ceiling_pct: float
+
+
+@dataclasses.dataclass
+class VllmDecodeRow:
+    """The drop-in decode (tqgen.vllm) on vLLM's head-major cache, CUDA-graph replay."""
+    config: str
+    batch: int
+    context: int
+    graph_us: float
+    gbps: float
+    ceiling_pct: float
+    sdpa_us: float
+    speedup_vs_sdpa: float
+    position_major_us: float  # the module's decode on the same bytes position-major, the same split count
+    head_major_cost: float  # graph_us / position_major_us
 
 
 def copy_ceiling_gbps(device="cuda", nbytes: int = 2 << 30) -> float:
@@ -105,13 +125,8 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
     source = "tuned" if tuned is not None and tuple(tuned) == used else "heuristic"
     heuristic_ms = graph_ms(**dict(zip(LAUNCH_FIELDS, heuristic)))
 
-    keys = torch.randn(batch, num_kv_heads, context, config.head_dim, dtype=torch.float16, device=device)
-    values = torch.randn_like(keys)
-    q4 = query.unsqueeze(2)
-    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q4, keys, values, enable_gqa=True)  # noqa: E731
-    sdpa()
-    sdpa_ms = triton.testing.do_bench_cudagraph(sdpa, return_mode="median")
-    del keys, values, cache
+    del cache
+    sdpa_ms = _sdpa_ms(query, num_kv_heads, context)
 
     best_ms = min(plain_ms, default_ms)
     gbps = _gbps(batch * num_kv_heads * context * module.SLOT_BYTES, default_ms)
@@ -123,6 +138,69 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
         launch=f"{source} {candidate_id(dict(zip(LAUNCH_FIELDS, used)))}", heuristic_us=heuristic_ms * 1e3,
         speedup_vs_heuristic=heuristic_ms / default_ms,
     )
+
+
+def _sdpa_ms(query: torch.Tensor, num_kv_heads: int, context: int) -> float:
+    """torch SDPA decode of the query over a dense fp16 cache of `context` tokens, graph replay."""
+    import triton
+
+    batch, _, head_dim = query.shape
+    keys = torch.randn(batch, num_kv_heads, context, head_dim, dtype=torch.float16, device=query.device)
+    values = torch.randn_like(keys)
+    q4 = query.unsqueeze(2)
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q4, keys, values, enable_gqa=True)  # noqa: E731
+    sdpa()
+    return triton.testing.do_bench_cudagraph(sdpa, return_mode="median")
+
+
+def bench_vllm_decode(module: ModuleType, config: Config, batch: int, context: int, *, ceiling_gbps: float,
+                      num_q_heads: int = 32, num_kv_heads: int = 8, max_num_kv_splits: int = VLLM_MAX_KV_SPLITS,
+                      device="cuda") -> VllmDecodeRow:
+    """tqgen.vllm's decode as vLLM's backend calls it: the cache allocated head-major
+    (num_blocks, num_kv_heads, block_size, slot) and passed transposed, the workspace's mid_o_buf,
+    output_buf and lse_buf, the config's rotation and centroids."""
+    import triton
+
+    from . import vllm
+
+    arguments = vllm.format_arguments(config.key_bits, config.value_bits, config.norm_correction, config.head_dim)
+    problem = random_problem(module, config, batch, context, num_q_heads, num_kv_heads, device)
+    cache, block_table, seq_lens, query = (problem[k] for k in ("cache", "block_table", "seq_lens", "query"))
+    head_major = torch.empty(cache.shape[0], num_kv_heads, config.block_size, cache.shape[3], dtype=torch.uint8,
+                             device=device).transpose(1, 2)
+    head_major.copy_(cache)
+    codebook = codebook_kwargs(module, device)
+    rotation = codebook.get("rotation")
+    pi = rotation.t().contiguous() if rotation is not None else None  # vLLM's PiT is tqgen's rotation
+    buffers = dict(mid_o_buf=torch.empty(batch, num_q_heads, max_num_kv_splits, config.head_dim + 1, device=device),
+                   output_buf=torch.empty_like(query), lse_buf=torch.empty(batch, num_q_heads, device=device))
+
+    def call():
+        vllm.triton_turboquant_decode_attention(query, head_major, block_table, seq_lens, pi,
+                                                codebook.get("centroids"), config.head_dim**-0.5, PiT=rotation,
+                                                max_num_kv_splits=max_num_kv_splits, **buffers, **arguments)
+
+    call()
+    graph_ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
+    group_size = num_q_heads // num_kv_heads
+    num_splits = min(module.decode_launch(batch, num_kv_heads, group_size, block_table.shape[1] * config.block_size,
+                                          cache.device)[3], max_num_kv_splits)
+    workspace = module.DecodeWorkspace(batch, num_q_heads, num_splits, device)
+    out = torch.empty_like(query)
+
+    def position_major():
+        module.decode(query, cache, block_table, seq_lens, out=out, workspace=workspace, num_splits=num_splits,
+                      validate=False, **codebook)
+
+    position_major()
+    position_major_ms = triton.testing.do_bench_cudagraph(position_major, return_mode="median")
+    del cache, head_major
+    sdpa_ms = _sdpa_ms(query, num_kv_heads, context)
+    gbps = _gbps(batch * num_kv_heads * context * module.SLOT_BYTES, graph_ms)
+    return VllmDecodeRow(config=config.name, batch=batch, context=context, graph_us=graph_ms * 1e3, gbps=gbps,
+                         ceiling_pct=100 * gbps / ceiling_gbps, sdpa_us=sdpa_ms * 1e3,
+                         speedup_vs_sdpa=sdpa_ms / graph_ms, position_major_us=position_major_ms * 1e3,
+                         head_major_cost=graph_ms / position_major_ms)
 
 
 def _gbps(nbytes: int, ms: float) -> float:
@@ -181,7 +259,8 @@ def bench_dequantize(module: ModuleType, config: Config, batch: int, context: in
     return _op_row(config, "dequantize", f"{batch}x{context}", graph_ms, nbytes, ceiling_gbps)
 
 
-def format_table(rows: list[BenchRow], ceiling_gbps: float, op_rows: list[OpRow] = ()) -> str:
+def format_table(rows: list[BenchRow], ceiling_gbps: float, op_rows: list[OpRow] = (),
+                 vllm_rows: list[VllmDecodeRow] = ()) -> str:
     lines = [f"copy ceiling: {ceiling_gbps:.0f} GB/s (device-to-device copy, read + write, this run)"]
     if rows:
         lines += ["| config | batch | context | decode us (plain) | decode us (graph) | GB/s | % ceiling "
@@ -198,6 +277,16 @@ def format_table(rows: list[BenchRow], ceiling_gbps: float, op_rows: list[OpRow]
         for r in op_rows:
             lines.append(f"| {r.config} | {r.op} | {r.shape} | {r.graph_us:.1f} | {r.nbytes / 1e6:.1f} "
                          f"| {r.gbps:.0f} | {r.ceiling_pct:.1f} |")
+    if vllm_rows:
+        lines += ["", "tqgen.vllm decode on vLLM's head-major cache (vLLM's buffers, splits capped at "
+                  f"{VLLM_MAX_KV_SPLITS}):",
+                  "| config | batch | context | us (graph) | GB/s | % ceiling | fp16 SDPA us | x SDPA "
+                  "| position-major us | head-major / position-major |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in vllm_rows:
+            lines.append(f"| {r.config} | {r.batch} | {r.context} | {r.graph_us:.1f} | {r.gbps:.0f} "
+                         f"| {r.ceiling_pct:.1f} | {r.sdpa_us:.1f} | {r.speedup_vs_sdpa:.2f} "
+                         f"| {r.position_major_us:.1f} | {r.head_major_cost:.2f} |")
     return "\n".join(lines)
 
 
@@ -210,10 +299,12 @@ def run_metadata(num_q_heads: int, num_kv_heads: int) -> dict:
             "q_heads": num_q_heads, "kv_heads": num_kv_heads}
 
 
-def payload(rows: list[BenchRow], ceiling_gbps: float, metadata: dict, op_rows: list[OpRow] = ()) -> dict:
+def payload(rows: list[BenchRow], ceiling_gbps: float, metadata: dict, op_rows: list[OpRow] = (),
+            vllm_rows: list[VllmDecodeRow] = ()) -> dict:
     """One run as the JSON document that `write_json` writes and `chart.draw` reads."""
     return {"metadata": metadata, "copy_ceiling_gbps": ceiling_gbps, "rows": [dataclasses.asdict(r) for r in rows],
-            "op_rows": [dataclasses.asdict(r) for r in op_rows]}
+            "op_rows": [dataclasses.asdict(r) for r in op_rows],
+            "vllm_rows": [dataclasses.asdict(r) for r in vllm_rows]}
 
 
 def write_json(path, document: dict) -> None:

@@ -147,6 +147,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise TqgenError("bench: --chart draws the decode rows; add decode to --ops")
         chart.require_matplotlib()  # fail before the GPU work, not after it
     configs = [emit.as_config(path) for path in args.configs]
+    if "vllm-decode" in args.ops:
+        planes = [c.name for c in configs if c.cache_layout != "slots"]
+        if planes:
+            raise TqgenError(f"bench: vllm-decode times vLLM's cache (cache_layout slots); {planes[0]} is planes")
     if args.batch or args.context:
         if not (args.batch and args.context):
             raise TqgenError("bench: --batch and --context go together")
@@ -156,7 +160,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     dequant_shapes = [_parse_shape(text) for text in args.dequant_shapes]
     ceiling = bench.copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
-    rows, op_rows = [], []
+    rows, op_rows, vllm_rows = [], [], []
     for config in configs:
         module = emit.load(config, args.cache_dir)
         if "decode" in args.ops:
@@ -167,6 +171,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 print(f"[{config.name} decode {i}/{len(shapes)}] batch {batch} context {context}: "
                       f"{row.graph_us:.1f} us (graph), {row.ceiling_pct:.1f}% of ceiling, "
                       f"{row.speedup_vs_sdpa:.2f}x SDPA, {row.launch}", flush=True)
+        if "vllm-decode" in args.ops:
+            for batch, context in shapes:
+                row = bench.bench_vllm_decode(module, config, batch, context, ceiling_gbps=ceiling,
+                                              num_q_heads=args.q_heads, num_kv_heads=args.kv_heads)
+                vllm_rows.append(row)
+                print(f"[{config.name} vllm-decode] batch {batch} context {context}: {row.graph_us:.1f} us (graph), "
+                      f"{row.ceiling_pct:.1f}% of ceiling, {row.speedup_vs_sdpa:.2f}x SDPA, "
+                      f"{row.head_major_cost:.2f}x position-major", flush=True)
         measured = []
         if "store" in args.ops:
             measured += [bench.bench_store(module, config, tokens, ceiling_gbps=ceiling, num_kv_heads=args.kv_heads)
@@ -178,8 +190,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"[{config.name} {row.op}] {row.shape}: {row.graph_us:.1f} us, {row.ceiling_pct:.1f}% of ceiling",
                   flush=True)
         op_rows += measured
-    print(bench.format_table(rows, ceiling, op_rows))
-    document = bench.payload(rows, ceiling, bench.run_metadata(args.q_heads, args.kv_heads), op_rows)
+    print(bench.format_table(rows, ceiling, op_rows, vllm_rows))
+    document = bench.payload(rows, ceiling, bench.run_metadata(args.q_heads, args.kv_heads), op_rows, vllm_rows)
     if args.json:
         bench.write_json(args.json, document)
     if args.chart:
@@ -319,8 +331,10 @@ def make_parser() -> argparse.ArgumentParser:
                        help="batch x context pairs (default: the BENCHMARKS.md grid's: %(default)s)")
     bench.add_argument("--q-heads", type=int, default=32)
     bench.add_argument("--kv-heads", type=int, default=8)
-    bench.add_argument("--ops", nargs="+", choices=("decode", "store", "dequantize"),
-                       default=["decode", "store", "dequantize"], help="what to time (default: all)")
+    bench.add_argument("--ops", nargs="+", choices=("decode", "store", "dequantize", "vllm-decode"),
+                       default=["decode", "store", "dequantize"],
+                       help="what to time (default: decode store dequantize); vllm-decode: tqgen.vllm's decode "
+                            "on vLLM's head-major cache, over the decode shapes (slots configs)")
     bench.add_argument("--store-tokens", type=int, nargs="+", metavar="N", default=[32, 4096, 65536],
                        help="tokens per store call (default: %(default)s)")
     bench.add_argument("--dequant-shapes", nargs="+", metavar="BxT", default=["1x4096", "32x8192"],

@@ -1,0 +1,496 @@
+"""tqgen.vllm: the drop-ins for vLLM's TurboQuant kernels, called as vLLM's backend calls them.
+
+Caches are vLLM's: allocated head-major `(num_blocks, num_kv_heads, block_size, slot)` and passed
+transposed (what the backend does), or position-major. Results are compared with tqgen's float64
+reference, on caches the drop-in store wrote and on caches this file builds byte by byte from
+docs/format.md's rules. The CPU cases are a few representative combinations (Triton's interpreter
+is slow); the full matrix runs on the GPU (`pytest -m gpu`).
+"""
+
+import math
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import HAS_CUDA, INTERPRET, make_config
+from tqgen import codebook, emit, reference, vllm
+from tqgen.layout import Layout
+from tqgen.testing import DECODE_TOLERANCE, relative_error, store_differences
+
+TQGEN_PRESET = {"turboquant_k8v4": "k8v4", "turboquant_4bit_nc": "k4v4", "turboquant_k3v4_nc": "k3v4",
+                "turboquant_3bit_nc": "k3v3"}
+SENTINEL = 0xA5
+CPU = [pytest.mark.skipif(not INTERPRET, reason="CPU kernels need TRITON_INTERPRET=1")]
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_cache_dir(tmp_path_factory):
+    """The drop-ins write their modules into TQGEN_CACHE_DIR: a fresh folder, not the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TQGEN_CACHE_DIR", str(tmp_path_factory.mktemp("vllm-modules")))
+        yield
+
+
+# --- docs/format.md, written out here (not tqgen's store or reference) --------------------------
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Element i of a b-bit field holds bits i*b .. i*b+b-1 of one little-endian bit stream."""
+    count = codes.shape[-1]
+    packed = torch.zeros(*codes.shape[:-1], math.ceil(count * bits / 8), dtype=torch.int64)
+    for i in range(count):
+        for j in range(bits):
+            position = i * bits + j
+            packed[..., position // 8] |= ((codes[..., i].to(torch.int64) >> j) & 1) << (position % 8)
+    return packed.to(torch.uint8)
+
+
+def fp16_le(x: torch.Tensor) -> torch.Tensor:
+    """fp16 values -> their two little-endian bytes."""
+    as_bytes = x.to(torch.float16).contiguous().numpy().astype("<f2").view(np.uint8)
+    return torch.from_numpy(as_bytes.reshape(*x.shape, 2).copy())
+
+
+def format_md_slots(key, value, pit, centroids, key_bits, value_bits, slot_bytes):
+    """Slot bytes [N, Hk, slot_bytes] of key, value [N, Hk, D] by docs/format.md (padding left 0)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    slots = torch.zeros(num_tokens, num_kv_heads, slot_bytes, dtype=torch.uint8)
+    k = key.float().cpu()
+    if key_bits == 8:
+        slots[..., :head_dim] = k.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        at = head_dim
+    else:
+        norm = k.norm(dim=-1)
+        rotated = (k / (norm[..., None] + 1e-8)) @ pit.float().cpu()
+        c = centroids.float().cpu()
+        midpoints = (c[1:] + c[:-1]) / 2
+        codes = (rotated[..., None] >= midpoints).sum(-1)  # the nearest centroid, ties to the upper one
+        code_bytes = math.ceil(head_dim * key_bits / 8)
+        slots[..., :code_bytes] = pack_bits(codes, key_bits)
+        slots[..., code_bytes:code_bytes + 2] = fp16_le(norm)
+        at = code_bytes + 2
+    v = value.float().cpu()
+    low, high = v.amin(-1), v.amax(-1)
+    levels = 2**value_bits - 1
+    scale = ((high - low) / levels).clamp_min(1e-8)
+    codes = torch.floor((v - low[..., None]) / scale[..., None] + 0.5).clamp(0, levels)
+    code_bytes = math.ceil(head_dim * value_bits / 8)
+    slots[..., at:at + code_bytes] = pack_bits(codes, value_bits)
+    slots[..., at + code_bytes:at + code_bytes + 2] = fp16_le(scale)
+    slots[..., at + code_bytes + 2:at + code_bytes + 4] = fp16_le(low)
+    return slots
+
+
+# --- vLLM's side of a call ----------------------------------------------------------------------
+def vllm_cache(num_blocks, block_size, num_kv_heads, slot_bytes, order, device):
+    """The [num_blocks, block_size, num_kv_heads, slot] tensor vLLM's kernels get, sentinel-filled:
+    head-major, the transposed view of get_kv_cache_shape's allocation; or position-major."""
+    if order == "head_major":
+        allocation = torch.full((num_blocks, num_kv_heads, block_size, slot_bytes), SENTINEL, dtype=torch.uint8)
+        return allocation.to(device).transpose(1, 2)
+    return torch.full((num_blocks, block_size, num_kv_heads, slot_bytes), SENTINEL, dtype=torch.uint8).to(device)
+
+
+def codebook_of(cache_dtype, head_dim, rotation, seed=0):
+    """(Pi, centroids) as vLLM's backend holds them: the normalized Sylvester Hadamard matrix (Pi =
+    PiT) or a caller's random orthogonal matrix, and Lloyd-Max centroids for N(0, 1/D); 'random'
+    also perturbs the centroids (still ascending), so only the caller's codebook decodes right."""
+    key_bits = vllm.VLLM_PRESETS[cache_dtype][0]
+    centroids = torch.tensor(codebook.centroids(4 if key_bits == 8 else key_bits, head_dim))
+    if rotation == "hadamard":
+        return codebook.hadamard_matrix(head_dim), centroids
+    generator = torch.Generator().manual_seed(seed)
+    pi = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64))[0].float()
+    wobble = 1 + 0.2 * torch.rand(centroids.shape, generator=generator)
+    return pi, torch.sort(centroids * wobble).values
+
+
+def ragged_batch(block_size, num_kv_heads, head_dim, seq_lens, key_fp8, seed=0):
+    """Keys, values, a block table over shuffled blocks, slot_mapping with one extra token at slot -1.
+    Each row's columns past its pages point to a spare block of its own (room for one more page)."""
+    generator = torch.Generator().manual_seed(seed)
+    pages = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(pages) + len(seq_lens) + 1
+    order = torch.randperm(num_blocks, generator=generator)
+    block_table = torch.zeros(len(seq_lens), max(pages) + 1, dtype=torch.int32)
+    slots, used = [], 0
+    for b, (n, p) in enumerate(zip(seq_lens, pages)):
+        block_table[b, :p] = order[used:used + p].to(torch.int32)
+        block_table[b, p:] = order[sum(pages) + b]
+        used += p
+        t = torch.arange(n)
+        slots.append(block_table[b, t // block_size].long() * block_size + t % block_size)
+    slot_mapping = torch.cat(slots + [torch.tensor([-1])]).to(torch.int32)
+    shape = (len(slot_mapping), num_kv_heads, head_dim)
+    key = torch.randn(shape, generator=generator) * 2
+    if key_fp8:
+        key = key.to(torch.float8_e4m3fn).float()
+    value = torch.randn(shape, generator=generator)
+    return key.half(), value.half(), block_table, torch.tensor(seq_lens, dtype=torch.int32), slot_mapping, num_blocks
+
+
+def reference_decode(config, query, cache, block_table, seq_lens, pit, centroids, scale, key_fp8):
+    """tqgen's reference: keys coded as (k / n) @ R and scored q @ R, R = vLLM's PiT."""
+    codebook_args = (None, None) if key_fp8 else (pit, centroids)
+    return reference.decode(Layout.from_config(config), query, cache, block_table, seq_lens, *codebook_args, scale)
+
+
+CASE_FIELDS = "cache_dtype,head_dim,block_size,group_size,order,rotation"
+CPU_CASES = [
+    ("turboquant_k3v4_nc", 128, 16, 4, "head_major", "hadamard"),
+    ("turboquant_k8v4", 64, 32, 1, "position_major", "hadamard"),
+    ("turboquant_3bit_nc", 96, 16, 6, "head_major", "random"),
+    ("turboquant_4bit_nc", 256, 16, 8, "position_major", "hadamard"),
+]
+GPU_CASES = (
+    [(p, d, 16, 4, o, "random" if d == 96 else "hadamard")
+     for p in vllm.VLLM_PRESETS for d in (64, 96, 128, 256) for o in ("head_major", "position_major")]
+    + [(p, 128, b, g, "head_major", "hadamard")
+       for p in ("turboquant_k3v4_nc", "turboquant_k8v4") for b in (16, 32, 64, 128) for g in (1, 4, 6, 8)]
+    + [("turboquant_4bit_nc", 128, 16, 4, "head_major", "random")]  # a non-Hadamard PiT at a power-of-two dim
+)
+CASES = ([pytest.param("cpu", *case, marks=CPU, id="cpu-" + "-".join(map(str, case))) for case in CPU_CASES]
+         + [pytest.param("cuda", *case, marks=GPU, id="cuda-" + "-".join(map(str, case))) for case in GPU_CASES])
+
+
+@pytest.mark.parametrize("device," + CASE_FIELDS, CASES)
+def test_store_writes_format_md_slots_and_decode_matches_the_reference(device, cache_dtype, head_dim, block_size,
+                                                                       group_size, order, rotation):
+    arguments = vllm.preset_arguments(cache_dtype, head_dim)
+    key_fp8 = arguments["key_fp8"]
+    num_kv_heads = 2
+    slot_bytes = vllm.slot_size_aligned(cache_dtype, head_dim)
+    config = make_config(TQGEN_PRESET[cache_dtype], head_dim=head_dim, block_size=block_size)
+    pi, centroids = codebook_of(cache_dtype, head_dim, rotation)
+    pit = pi.t().contiguous()
+    key, value, block_table, seq_lens, slot_mapping, num_blocks = ragged_batch(
+        block_size, num_kv_heads, head_dim, [block_size + 3, 0, 5], key_fp8)
+    cache = vllm_cache(num_blocks, block_size, num_kv_heads, slot_bytes, order, device)
+    c_sorted = torch.sort(centroids).values
+    vllm.triton_turboquant_store(
+        key.to(device), value.to(device), cache, slot_mapping.to(device), pit.to(device),
+        ((c_sorted[:-1] + c_sorted[1:]) / 2).to(device), arguments["mse_bits"], arguments["key_packed_size"],
+        arguments["value_quant_bits"], key_fp8=key_fp8, kv_group_size=group_size)
+
+    # docs/format.md's bytes in the stored slots; the sentinel everywhere else, the skipped token included.
+    built = vllm_cache(num_blocks, block_size, num_kv_heads, slot_bytes, order, "cpu")
+    written = slot_mapping >= 0
+    mapping = slot_mapping[written].long()
+    slots = format_md_slots(key, value, pit, centroids, 8 if key_fp8 else arguments["mse_bits"],
+                            arguments["value_quant_bits"], slot_bytes)[written]
+    used = arguments["key_packed_size"] + math.ceil(head_dim * arguments["value_quant_bits"] / 8) + 4
+    built[mapping // block_size, mapping % block_size, :, :used] = slots[..., :used]  # padding keeps the sentinel
+    stored = cache.cpu()
+    assert store_differences(config, stored, built, key.float(), slot_mapping, pit, centroids) == 0
+
+    query = torch.randn(len(seq_lens), num_kv_heads * group_size, head_dim,
+                        generator=torch.Generator().manual_seed(7)).half()
+    scale = head_dim**-0.5
+    for source, kv_cache in (("the drop-in store", cache), ("format.md", built.to(device))):
+        out = vllm.triton_turboquant_decode_attention(
+            query.to(device), kv_cache, block_table.to(device), seq_lens.to(device), pi.to(device),
+            centroids.to(device), scale, PiT=pit.to(device) if rotation == "hadamard" else None, **arguments)
+        want = reference_decode(config, query, kv_cache.cpu(), block_table, seq_lens, pit, centroids, scale, key_fp8)
+        assert out.dtype == torch.float16 and out.shape == want.shape
+        assert torch.all(out[1] == 0), f"seq_len 0 on a cache from {source}"
+        error = relative_error(out.cpu(), want)
+        assert error < DECODE_TOLERANCE[torch.float16], f"relative error {error:.2e} on a cache from {source}"
+
+
+def test_store_leaves_slot_padding_and_other_slots_alone(device):
+    """At head_dim 72, 3-bit keys and 4-bit values fill 69 bytes of a 70-byte slot: the store writes
+    the 69 bytes of each mapped slot and nothing else (padding, unmapped slots, the token at -1)."""
+    arguments = vllm.preset_arguments("turboquant_k3v4_nc", 72)
+    slot_bytes = vllm.slot_size_aligned("turboquant_k3v4_nc", 72)
+    assert slot_bytes == 70
+    key, value, _, _, slot_mapping, num_blocks = ragged_batch(16, 1, 72, [9], key_fp8=False)
+    cache = vllm_cache(num_blocks, 16, 1, slot_bytes, "head_major", device)
+    pi, centroids = codebook_of("turboquant_k3v4_nc", 72, "random")
+    vllm.triton_turboquant_store(key.to(device), value.to(device), cache, slot_mapping.to(device),
+                                 pi.t().contiguous().to(device), ((centroids[1:] + centroids[:-1]) / 2).to(device),
+                                 **{k: arguments[k] for k in ("mse_bits", "key_packed_size", "value_quant_bits")})
+    changed = (cache.cpu() != SENTINEL).any(-1)  # [blocks, positions, heads]: slots with a byte written
+    mapping = slot_mapping[slot_mapping >= 0].long()
+    expected = torch.zeros_like(changed)
+    expected[mapping // 16, mapping % 16] = True
+    assert torch.equal(changed, expected)
+    assert torch.all(cache.cpu()[..., 69] == SENTINEL)
+
+
+def stored_problem(cache_dtype, head_dim, device, rotation="hadamard", group_size=4, block_size=16,
+                   seq_lens=(21, 0, 40)):
+    """A cache the drop-in store filled (head-major), with a query: the inputs of a decode call."""
+    arguments = vllm.preset_arguments(cache_dtype, head_dim)
+    pi, centroids = codebook_of(cache_dtype, head_dim, rotation)
+    key, value, block_table, seq_lens, slot_mapping, num_blocks = ragged_batch(
+        block_size, 2, head_dim, list(seq_lens), arguments["key_fp8"])
+    cache = vllm_cache(num_blocks, block_size, 2, vllm.slot_size_aligned(cache_dtype, head_dim), "head_major", device)
+    vllm.triton_turboquant_store(key.to(device), value.to(device), cache, slot_mapping.to(device),
+                                 pi.t().contiguous().to(device), ((centroids[1:] + centroids[:-1]) / 2).to(device),
+                                 arguments["mse_bits"], arguments["key_packed_size"], arguments["value_quant_bits"],
+                                 key_fp8=arguments["key_fp8"])
+    query = torch.randn(len(seq_lens), 2 * group_size, head_dim, generator=torch.Generator().manual_seed(3)).half()
+    return types.SimpleNamespace(
+        arguments=arguments, pi=pi.to(device), centroids=centroids.to(device), cache=cache, query=query.to(device),
+        block_table=block_table.to(device), seq_lens=seq_lens.to(device), key=key, value=value)
+
+
+def test_decode_scores_with_pit_or_pi_transposed(device):
+    """q @ PiT, with Pi.T when PiT is None: for a non-symmetric Pi the two spellings agree bit for bit,
+    and the other convention (q @ Pi) decodes something else."""
+    p = stored_problem("turboquant_3bit_nc", 96, device, rotation="random")
+    common = (p.query, p.cache, p.block_table, p.seq_lens)
+    by_pi = vllm.triton_turboquant_decode_attention(*common, p.pi, p.centroids, 0.1, **p.arguments)
+    by_pit = vllm.triton_turboquant_decode_attention(*common, None, p.centroids, 0.1, PiT=p.pi.t().contiguous(),
+                                                     **p.arguments)
+    wrong = vllm.triton_turboquant_decode_attention(*common, None, p.centroids, 0.1, PiT=p.pi, **p.arguments)
+    assert torch.equal(by_pi, by_pit)
+    assert relative_error(wrong, by_pi) > 0.05
+
+
+def test_decode_writes_into_vllms_buffers_and_builds_nothing_after_the_first_call(device, monkeypatch):
+    """With vLLM's workspace buffers the output is output_buf[:B], the partials live in mid_o_buf,
+    buf_holder gets nothing and lse_buf is left as it was; without them the buffers decode allocates
+    are recorded on buf_holder, as vLLM's launcher does. Once a format's module is loaded, calls
+    render and load nothing."""
+    p = stored_problem("turboquant_k3v4_nc", 128, device)
+    batch, num_q_heads, head_dim = p.query.shape
+    splits = 4
+    mid_o_buf = torch.full((batch + 1, num_q_heads, splits, head_dim + 1), float("nan"), device=device)
+    output_buf = torch.full((batch + 1, num_q_heads, head_dim), float("nan"), dtype=torch.float16, device=device)
+    lse_buf = torch.full((batch + 1, num_q_heads), 123.0, device=device)
+    holder = types.SimpleNamespace()
+    call = (p.query, p.cache, p.block_table, p.seq_lens, p.pi, p.centroids, head_dim**-0.5)
+    plain = vllm.triton_turboquant_decode_attention(*call, PiT=p.pi, **p.arguments)
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("rendered or loaded a module on the hot path")
+
+    for name in ("load", "build", "render", "import_module_file"):
+        monkeypatch.setattr(emit, name, no_build)
+    out = vllm.triton_turboquant_decode_attention(*call, PiT=p.pi, mid_o_buf=mid_o_buf, output_buf=output_buf,
+                                                  lse_buf=lse_buf, buf_holder=holder, max_num_kv_splits=splits,
+                                                  **p.arguments)
+    assert out.data_ptr() == output_buf.data_ptr() and torch.equal(out, output_buf[:batch])
+    assert torch.all(output_buf[batch].isnan())  # the row past the batch is untouched
+    assert relative_error(out, plain) < 1e-3  # maybe another split count: sums in another order
+    assert not mid_o_buf.isnan().all()  # the partials were written there
+    assert torch.all(lse_buf == 123.0) and vars(holder) == {}
+
+    unfit = mid_o_buf[:, :, :2]  # fewer splits than max_num_kv_splits: vLLM allocates instead
+    out = vllm.triton_turboquant_decode_attention(*call, PiT=p.pi, mid_o_buf=unfit, output_buf=None,
+                                                  buf_holder=holder, max_num_kv_splits=splits, **p.arguments)
+    assert holder._tq_output_buf is out and holder._tq_mid_o_buf.shape == (batch, num_q_heads, splits, head_dim + 1)
+    assert relative_error(out, plain) < 1e-3
+
+
+def test_a_continuation_chunk_decodes_through_an_expanded_block_table(device):
+    """vLLM's short continuation chunks: each of the chunk's queries decoded as a sequence of its own,
+    through `block_table[i:i + 1].expand(q_len, -1)` (row stride 0) and seq_lens cached_len + 1 ..
+    seq_len sliced from an arange; query positions see the tokens up to their own (causal)."""
+    p = stored_problem("turboquant_4bit_nc", 128, device, seq_lens=(40,))
+    q_len, seq_len = 6, 40
+    arange = torch.arange(0, seq_len + 1, dtype=torch.int32, device=device)
+    block_table = p.block_table[0:1].expand(q_len, -1)
+    assert block_table.stride(0) == 0
+    seq_lens = arange[seq_len - q_len + 1:seq_len + 1]
+    query = torch.randn(q_len, 8, 128, generator=torch.Generator().manual_seed(4)).half().to(device)
+    out = vllm.triton_turboquant_decode_attention(query, p.cache, block_table, seq_lens, p.pi, p.centroids,
+                                                  128**-0.5, PiT=p.pi, **p.arguments)
+    config = make_config("k4v4", head_dim=128)
+    want = reference_decode(config, query.cpu(), p.cache.cpu(), block_table.cpu(), seq_lens.cpu(), p.pi.cpu(),
+                            p.centroids.cpu(), 128**-0.5, key_fp8=False)
+    assert relative_error(out.cpu(), want) < DECODE_TOLERANCE[torch.float16]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="a CPU test")
+@pytest.mark.parametrize("num_splits,max_splits", [(3, 4), (4, 4)])
+def test_decode_workspace_is_carved_out_of_mid_o_buf(num_splits, max_splits):
+    """Partial outputs, partial log-sum-exps and (when fewer splits than max_num_kv_splits leave room)
+    the rotated query: disjoint pieces of vLLM's mid_o_buf; at the full split count the query is a
+    tensor of its own."""
+    module = vllm._module("test", torch.device("cpu"), 128, 16, False, 4, 66, 4, True)
+    batch, num_q_heads, head_dim = 3, 8, 128
+    mid_o_buf = torch.empty(batch, num_q_heads, max_splits, head_dim + 1)
+    workspace = vllm._decode_workspace(module, mid_o_buf, None, batch, num_q_heads, head_dim, num_splits, max_splits,
+                                       torch.device("cpu"), needs_query=True)
+    start, end = mid_o_buf.data_ptr(), mid_o_buf.data_ptr() + mid_o_buf.numel() * 4
+    pieces = [workspace.partial_out, workspace.partial_lse, workspace.query]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in pieces)
+    assert workspace.partial_out.shape == (batch, num_q_heads, num_splits, head_dim)
+    assert workspace.partial_lse.shape == (batch, num_q_heads, num_splits)
+    assert workspace.query.shape == (batch, num_q_heads, head_dim) and workspace.query.dtype == torch.float16
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    inside = [start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end for t in pieces]
+    assert inside == [True, True, num_splits < max_splits]
+    assert workspace.query.data_ptr() % 16 == 0
+
+
+# vLLM launches the qgroup4 variant for MSE keys only.
+DEQUANTIZE_LAUNCHES = [("_tq_full_dequant_kv", "turboquant_4bit_nc"), ("_tq_full_dequant_kv", "turboquant_k8v4"),
+                       ("_tq_full_dequant_kv_qgroup4", "turboquant_k3v4_nc")]
+
+
+@pytest.mark.parametrize("launch,cache_dtype", DEQUANTIZE_LAUNCHES)
+def test_continuation_prefill_dequantize_launch(device, launch, cache_dtype):
+    """vLLM's continuation prefill: `kernel[(alloc_len, Hk)](...)` into fp16 [1, Hk, alloc_len, D] buffers
+    with the backend's arguments, then keys @ Pi: the reference's dequantized keys and values."""
+    head_dim, block_size, cached_len = 128, 16, 21
+    p = stored_problem(cache_dtype, head_dim, device, seq_lens=(cached_len,))
+    arguments, num_kv_heads = p.arguments, p.cache.shape[2]
+    alloc_len = -(-cached_len // block_size) * block_size
+    k_buf = torch.full((1, num_kv_heads, alloc_len + 5, head_dim), float("nan"), dtype=torch.float16, device=device)
+    v_buf = torch.full_like(k_buf, float("nan"))
+    k_cached, v_cached = k_buf[:, :, :alloc_len, :], v_buf[:, :, :alloc_len, :]
+    key_fp8 = arguments["key_fp8"]
+    mse_bytes = head_dim if key_fp8 else math.ceil(head_dim * arguments["mse_bits"] / 8)
+    common = dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, MSE_BYTES=mse_bytes,
+                  VQB=arguments["value_quant_bits"], VAL_DATA_BYTES=head_dim * arguments["value_quant_bits"] // 8,
+                  MSE_BITS=arguments["mse_bits"], BLOCK_D=head_dim,
+                  NORM_CORRECTION=int(arguments["norm_correction"]), num_warps=4)
+    if launch == "_tq_full_dequant_kv":
+        common.update(KPS=arguments["key_packed_size"], KEY_FP8=int(key_fp8), FP8_E4B15=vllm._use_fp8_e4b15(0))
+    block_table = p.block_table[:1]
+    getattr(vllm, launch)[(alloc_len, 1 * num_kv_heads)](
+        p.cache, block_table, p.centroids, k_cached, v_cached,
+        k_cached.stride(0), k_cached.stride(1), k_cached.stride(2),
+        v_cached.stride(0), v_cached.stride(1), v_cached.stride(2),
+        p.cache.stride(0), p.cache.stride(1), p.cache.stride(2), block_table.stride(0), **common)
+
+    config = make_config(TQGEN_PRESET[cache_dtype], head_dim=head_dim)
+    pit = p.pi.t().cpu()
+    want_keys, want_values = reference.dequantize(
+        Layout.from_config(config), p.cache.cpu(), block_table.cpu(), torch.tensor([cached_len], dtype=torch.int32),
+        None if key_fp8 else pit, None if key_fp8 else p.centroids.cpu())
+    keys = k_cached[0, :, :cached_len].float().cpu()
+    if not key_fp8:
+        keys = keys @ p.pi.cpu()  # the backend's k_flat @ Pi: back from the rotated domain
+    assert relative_error(keys, want_keys[0]) < 2e-3  # fp16 outputs
+    assert relative_error(v_cached[0, :, :cached_len].float().cpu(), want_values[0]) < 1e-3
+    assert not k_cached.isnan().any() and torch.all(k_buf[:, :, alloc_len:].isnan())
+
+
+def test_a_hadamard_pit_takes_the_stores_walsh_hadamard_path():
+    """vLLM's Hadamard matrix (built in fp32, one rounding from tqgen's) is replaced by the module's
+    own, which the store's kernel applies itself; any other matrix is passed on as it is."""
+    module = vllm._module("test", torch.device("cpu"), 128, 16, False, 4, 66, 4, True)
+    sylvester = torch.ones(1, 1)
+    while sylvester.shape[0] < 128:
+        sylvester = torch.cat([torch.cat([sylvester, sylvester], 1), torch.cat([sylvester, -sylvester], 1)], 0)
+    vllms = sylvester / math.sqrt(128)
+    assert vllm._store_rotation("test", module, vllms, 128) is module.default_rotation("cpu")
+    pi = codebook_of("turboquant_4bit_nc", 128, "random")[0].contiguous()
+    assert vllm._store_rotation("test", module, pi, 128) is pi
+    flipped = vllms.clone()
+    flipped[0, 0] = -flipped[0, 0]
+    assert vllm._store_rotation("test", module, flipped, 128).data_ptr() != module.default_rotation("cpu").data_ptr()
+
+
+REFUSALS = [
+    (dict(value_quant_bits=2), "value_quant_bits 2"),
+    (dict(mse_bits=2, key_packed_size=34), "mse_bits 2"),
+    (dict(key_packed_size=50), "key_packed_size 50"),
+    (dict(head_dim=48), "head_dim 48"),
+    (dict(max_num_kv_splits=0), "max_num_kv_splits"),
+    (dict(pi_shape=(128, 64)), "Pi must be a [128, 128]"),
+]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="a CPU test")
+@pytest.mark.parametrize("change,named", REFUSALS, ids=[named for _, named in REFUSALS])
+def test_decode_refuses_what_it_cannot_serve_in_one_line(change, named):
+    change = dict(change)
+    head_dim = change.pop("head_dim", 128)
+    pi = torch.eye(*change.pop("pi_shape", (head_dim, head_dim)))
+    arguments = dict(mse_bits=4, key_packed_size=head_dim // 2 + 2, value_quant_bits=4, norm_correction=True)
+    arguments.update(change)
+    cache = torch.zeros(2, 16, 1, 200, dtype=torch.uint8)
+    with pytest.raises(vllm.VllmArgumentError) as refusal:
+        vllm.triton_turboquant_decode_attention(
+            torch.zeros(1, 4, head_dim), cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            pi, torch.zeros(16), 0.1, **arguments)
+    message = str(refusal.value)
+    assert named in message and "\n" not in message and message.startswith("triton_turboquant_decode_attention: ")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="a CPU test")
+def test_store_and_dequantize_refuse_in_one_line():
+    key = torch.zeros(1, 1, 128)
+    cache = torch.zeros(2, 16, 1, 134, dtype=torch.uint8)
+    with pytest.raises(vllm.VllmArgumentError, match="midpoints must be a \\[15\\] tensor"):
+        vllm.triton_turboquant_store(key, key, cache, torch.zeros(1, dtype=torch.int32), torch.eye(128),
+                                     torch.zeros(16), 4, 66, 4)
+    with pytest.raises(vllm.VllmArgumentError, match="FP8_E4B15=1"):
+        vllm._tq_full_dequant_kv[(16, 1)](cache, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(16), None, None,
+                                          0, 0, 0, 0, 0, 0, *cache.stride()[:3], 1, HEAD_DIM=128, BLOCK_SIZE=16,
+                                          NUM_KV_HEADS=1, MSE_BYTES=64, KPS=66, VQB=4, VAL_DATA_BYTES=64, MSE_BITS=4,
+                                          KEY_FP8=0, BLOCK_D=128, FP8_E4B15=1)
+
+
+# --- GPU: CUDA graphs with vLLM's workspace buffers -----------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("max_splits", [32, 1])
+@pytest.mark.parametrize("cache_dtype", ["turboquant_k3v4_nc", "turboquant_k8v4"])
+def test_cuda_graph_of_store_and_decode_with_vllms_buffers(cache_dtype, max_splits):
+    """vLLM's decode step captured once: store the new tokens, decode into the workspace's buffers.
+    Replayed with new keys, queries and lengths, it matches the reference; buf_holder gets nothing
+    (the buffers fit). At max_num_kv_splits 1 the rotated query does not fit in mid_o_buf and is
+    allocated inside the capture, from the graph's pool."""
+    device, head_dim, block_size, batch, num_kv_heads, group_size = "cuda", 128, 16, 4, 2, 4
+    arguments = vllm.preset_arguments(cache_dtype, head_dim)
+    pi, centroids = (t.to(device) for t in codebook_of(cache_dtype, head_dim, "hadamard"))
+    midpoints = (centroids[1:] + centroids[:-1]) / 2
+    context = 64
+    key, value, block_table, _, prefill_slots, num_blocks = ragged_batch(
+        block_size, num_kv_heads, head_dim, [context] * batch, arguments["key_fp8"])
+    cache = vllm_cache(num_blocks, block_size, num_kv_heads, vllm.slot_size_aligned(cache_dtype, head_dim),
+                       "head_major", device)
+    block_table = block_table.to(device)
+    store_args = (pi, midpoints, arguments["mse_bits"], arguments["key_packed_size"], arguments["value_quant_bits"])
+    vllm.triton_turboquant_store(key.to(device), value.to(device), cache, prefill_slots.to(device), *store_args,
+                                 key_fp8=arguments["key_fp8"])
+
+    num_q_heads = num_kv_heads * group_size
+    step_key = torch.zeros(batch, num_kv_heads, head_dim, dtype=torch.float16, device=device)
+    step_value, step_slots = torch.zeros_like(step_key), torch.zeros(batch, dtype=torch.int32, device=device)
+    query = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float16, device=device)
+    seq_lens = torch.ones(batch, dtype=torch.int32, device=device)
+    mid_o_buf = torch.empty(batch, num_q_heads, max_splits, head_dim + 1, device=device)
+    output_buf = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float16, device=device)
+    lse_buf = torch.empty(batch, num_q_heads, device=device)
+    holder = types.SimpleNamespace()
+
+    def step():
+        vllm.triton_turboquant_store(step_key, step_value, cache, step_slots, *store_args, key_fp8=arguments["key_fp8"])
+        return vllm.triton_turboquant_decode_attention(
+            query, cache, block_table, seq_lens, pi, centroids, head_dim**-0.5, PiT=pi, mid_o_buf=mid_o_buf,
+            output_buf=output_buf, lse_buf=lse_buf, buf_holder=holder, max_num_kv_splits=max_splits, **arguments)
+
+    step()  # warm up: builds the modules and compiles the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    assert out.data_ptr() == output_buf.data_ptr() and vars(holder) == {}
+
+    generator = torch.Generator().manual_seed(5)
+    for lengths in ([context + 1, 3, 17, 40], [1, context + 1, 0, 33]):
+        new_key = torch.randn(batch, num_kv_heads, head_dim, generator=generator) * 2
+        if arguments["key_fp8"]:
+            new_key = new_key.to(torch.float8_e4m3fn).float()
+        step_key.copy_(new_key.half())
+        step_value.copy_(torch.randn(batch, num_kv_heads, head_dim, generator=generator).half())
+        lengths_t = torch.tensor(lengths, dtype=torch.int32, device=device)
+        position = (lengths_t - 1).clamp_min(0)  # the new token's position; a length-0 row stores at -1
+        blocks = block_table.gather(1, (position // block_size).long()[:, None])[:, 0]
+        slots = blocks * block_size + position % block_size
+        step_slots.copy_(torch.where(lengths_t > 0, slots, -1).to(torch.int32))
+        query.copy_(torch.randn(batch, num_q_heads, head_dim, generator=generator).half())
+        seq_lens.copy_(lengths_t)
+        graph.replay()
+        torch.cuda.synchronize()
+        config = make_config(TQGEN_PRESET[cache_dtype], head_dim=head_dim)
+        want = reference_decode(config, query.cpu(), cache.cpu(), block_table.cpu(), seq_lens.cpu(), pi.cpu(),
+                                centroids.cpu(), head_dim**-0.5, arguments["key_fp8"])
+        assert relative_error(output_buf.cpu(), want) < DECODE_TOLERANCE[torch.float16]

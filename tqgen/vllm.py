@@ -1,0 +1,431 @@
+"""Drop-in replacements for vLLM's TurboQuant kernels, run by tqgen-built modules.
+
+vLLM's TurboQuant attention backend (vllm/v1/attention/backends/turboquant_attn.py) imports its
+kernels from vllm/v1/attention/ops/triton_turboquant_decode.py and triton_turboquant_store.py.
+Importing the same names from here instead runs tqgen's kernels on the same cache, with the same
+arguments and results:
+
+    from tqgen.vllm import (_tq_full_dequant_kv, _tq_full_dequant_kv_qgroup4, _use_fp8_e4b15,
+                            triton_turboquant_decode_attention, triton_turboquant_store)
+
+Each call picks a tqgen module by (head_dim, key format and bits, value bits, norm correction, page
+size, the cache's device and its compute capability), renders, writes and imports it on first use
+(`tqgen.load`, into `TQGEN_CACHE_DIR`), and keeps it for the process: later calls render nothing,
+open no file and never synchronize with the device, so they can be captured in a CUDA graph.
+
+How vLLM's arguments map onto tqgen's (docs/format.md):
+
+- The cache. vLLM allocates `(num_blocks, num_kv_heads, block_size, slot)` uint8 and passes the
+  kernels `kv_cache.transpose(1, 2)`, a `[num_blocks, block_size, num_kv_heads, slot]` view with
+  head-major strides: exactly the tensor a "slots" module takes (any strides, bytes of a slot
+  contiguous). A position-major cache of that shape works the same.
+- The rotation. vLLM codes a key as `(k / (||k|| + 1e-8)) @ PiT` and scores `q @ PiT` (`Pi.T` when
+  PiT is None); tqgen codes `(k / ...) @ R` and scores `q @ R`. So R = PiT, for any orthogonal
+  matrix. A PiT equal to the normalized Sylvester Hadamard matrix (to 1e-6, as vLLM builds it) is
+  replaced by the module's own, which the store applies by a Walsh-Hadamard transform in its kernel;
+  any other matrix takes tqgen's general path (a torch matmul before the store's kernel).
+- The codebook. Decode reads the caller's centroids. vLLM's store takes the midpoints between sorted
+  centroids instead: they go to tqgen's store as its decision boundaries.
+- Decode's buffers. tqgen's split-KV partials (per split: D fp32 outputs and one log-sum-exp) are
+  carved out of vLLM's `mid_o_buf` `[B, Hq, max_num_kv_splits, D + 1]` fp32, which holds exactly
+  that much at the full split count, and the rotated query (fp16) out of what fewer splits leave
+  (else a fresh tensor: inside a CUDA-graph capture it comes from the graph's private pool). The
+  output is written into `output_buf[:B]`. Missing or unfit buffers are allocated and, as vLLM
+  does, recorded on `buf_holder` (`_tq_mid_o_buf`, `_tq_output_buf`). `lse_buf` is not written:
+  tqgen's reduction returns the output only, and vLLM's backend never reads it back.
+- Splits: the tuned (or heuristic) split count of the decode bucket, at most `max_num_kv_splits`; for
+  a block table of fixed width (vLLM's) it is fixed per batch size, as CUDA graphs need.
+
+Differences from vLLM's kernels, all deliberate:
+- A sequence of length 0 decodes to zeros (vLLM's reduction divides 0 by 0 there).
+- fp8 keys are e4m3fn on every GPU; vLLM's kernels use Triton's e4b15 on compute capability below
+  8.9, so `_use_fp8_e4b15` answers 0 and a call passing FP8_E4B15=1 is refused.
+- The store writes docs/format.md's slots at every GQA group size (`kv_group_size` changes nothing):
+  store, decode and dequantize here all read and write that layout.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import functools
+import math
+
+import torch
+
+from . import config as config_mod
+from . import emit
+
+# vLLM's cache dtypes (vllm/model_executor/layers/quantization/turboquant/config.py): key bits
+# (8 = fp8), value bits, norm correction.
+VLLM_PRESETS = {
+    "turboquant_k8v4": (8, 4, False),
+    "turboquant_4bit_nc": (4, 4, True),
+    "turboquant_k3v4_nc": (3, 4, True),
+    "turboquant_3bit_nc": (3, 3, True),
+}
+MSE_KEY_BITS = (3, 4)  # what vLLM's store packs
+VALUE_BITS = (3, 4)  # what vLLM's store and decode read and write
+# A caller's PiT within this relative distance of the Sylvester Hadamard matrix takes the module's own
+# (applied by a Walsh-Hadamard transform): vLLM builds it in fp32, one rounding from tqgen's.
+HADAMARD_RTOL = 1e-6
+# Tensors derived from a caller's codebook tensors (rotations, fp32 copies) kept at most.
+_DERIVED_MAX = 256
+
+
+class VllmArgumentError(ValueError):
+    """A call these drop-ins cannot serve; the message is one line naming the argument."""
+
+
+def _refuse(fn: str, message: str):
+    raise VllmArgumentError(f"{fn}: {message}")
+
+
+def preset_arguments(cache_dtype: str, head_dim: int) -> dict:
+    """The format arguments vLLM's backend passes its kernels for a cache dtype and head dim:
+    mse_bits, key_packed_size, value_quant_bits, key_fp8, norm_correction."""
+    if cache_dtype not in VLLM_PRESETS:
+        raise VllmArgumentError(f"cache dtype {cache_dtype!r} is not one of {', '.join(VLLM_PRESETS)}")
+    return format_arguments(*VLLM_PRESETS[cache_dtype], head_dim)
+
+
+def format_arguments(key_bits: int, value_bits: int, norm_correction: bool, head_dim: int) -> dict:
+    """The format arguments of vLLM's kernels for key bits (8: fp8 keys), value bits, norm correction
+    and head dim, as its backend computes them."""
+    key_fp8 = key_bits == 8
+    return dict(mse_bits=0 if key_fp8 else key_bits,
+                key_packed_size=head_dim if key_fp8 else math.ceil(head_dim * key_bits / 8) + 2,
+                value_quant_bits=value_bits, key_fp8=key_fp8, norm_correction=norm_correction)
+
+
+def slot_size_aligned(cache_dtype: str, head_dim: int) -> int:
+    """Bytes per token and KV head (the last dim of vLLM's cache): key, value codes, scale, zero, even."""
+    arguments = preset_arguments(cache_dtype, head_dim)
+    size = arguments["key_packed_size"] + math.ceil(head_dim * arguments["value_quant_bits"] / 8) + 4
+    return size + size % 2
+
+
+# --- the modules -------------------------------------------------------------------------------
+_modules: dict = {}  # the arguments' dispatch key -> module
+_modules_by_config: dict = {}  # Config -> module (several argument spellings share one)
+
+
+def _module(fn, device, head_dim, block_size, key_fp8, mse_bits, key_packed_size, value_quant_bits,
+            norm_correction):
+    """The module for a format on a device: a dictionary lookup after its first call."""
+    key = (device, head_dim, block_size, key_fp8, mse_bits, key_packed_size, value_quant_bits, norm_correction)
+    module = _modules.get(key)
+    if module is None:
+        config = _config(fn, device, head_dim, block_size, bool(key_fp8), mse_bits, key_packed_size,
+                         value_quant_bits, bool(norm_correction))
+        module = _modules_by_config.get(config)
+        if module is None:
+            module = _modules_by_config[config] = emit.load(config)
+        _modules[key] = module
+    return module
+
+
+def _config(fn, device, head_dim, block_size, key_fp8, mse_bits, key_packed_size, value_quant_bits,
+            norm_correction) -> config_mod.Config:
+    """The tqgen config of vLLM's format arguments, arch resolved for the device; one-line refusals."""
+    lowest, highest, step = config_mod.HEAD_DIM_MIN, config_mod.HEAD_DIM_MAX, config_mod.HEAD_DIM_STEP
+    if not (lowest <= head_dim <= highest and head_dim % step == 0):
+        _refuse(fn, f"head_dim {head_dim} is not supported: tqgen builds multiples of {step} "
+                f"from {lowest} to {highest}")
+    if block_size not in config_mod.BLOCK_SIZES:
+        _refuse(fn, f"kv_cache has pages of {block_size} tokens (dim 1), expected a power of two up to "
+                f"{config_mod.BLOCK_SIZES[-1]}")
+    if value_quant_bits not in VALUE_BITS:
+        _refuse(fn, f"value_quant_bits {value_quant_bits!r} is not supported, expected 3 or 4")
+    if key_fp8:
+        fields = dict(key_format="fp8", value_bits=value_quant_bits)
+        packed = head_dim
+    else:
+        if mse_bits not in MSE_KEY_BITS:
+            _refuse(fn, f"mse_bits {mse_bits!r} is not supported for MSE keys, expected 3 or 4 (or key_fp8=True)")
+        power_of_two = head_dim & (head_dim - 1) == 0
+        # The module's own rotation is used only when the caller's PiT is the Hadamard matrix; for other
+        # head dims it is never used (every call passes the caller's matrix).
+        fields = dict(key_format="mse", key_bits=mse_bits, value_bits=value_quant_bits,
+                      norm_correction=norm_correction, rotation="hadamard" if power_of_two else "random")
+        packed = math.ceil(head_dim * mse_bits / 8) + 2
+    if key_packed_size != packed:
+        _refuse(fn, f"key_packed_size {key_packed_size!r} does not match the format: "
+                f"{'fp8' if key_fp8 else f'{mse_bits}-bit MSE'} keys of head_dim {head_dim} take {packed} bytes")
+    config = config_mod.from_mapping(dict(fields, head_dim=head_dim, block_size=block_size), "<tqgen.vllm>")
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return config_mod.resolve_arch(config, capability)
+
+
+# --- the codebook ------------------------------------------------------------------------------
+_derived: collections.OrderedDict = collections.OrderedDict()
+
+
+def _capturing(tensor) -> bool:
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _derive(kind, source, make):
+    """make(source), once per source tensor and contents version. The entry holds the source, so
+    its address cannot be reused by another tensor while the entry exists. While a CUDA graph is
+    being captured a new source is derived without caching (`make` must then not synchronize)."""
+    key = (kind, source.data_ptr(), source._version, source.shape, source.stride(), source.dtype, source.device)
+    entry = _derived.get(key)
+    if entry is not None:
+        _derived.move_to_end(key)
+        return entry[1]
+    derived = make(source, capturing=_capturing(source))
+    if not _capturing(source):
+        _derived[key] = (source, derived)
+        if len(_derived) > _DERIVED_MAX:
+            _derived.popitem(last=False)
+    return derived
+
+
+def _fp32(tensor):
+    """The tensor as contiguous fp32 (itself when it already is: no lookup on the hot path)."""
+    if not isinstance(tensor, torch.Tensor) or (tensor.dtype == torch.float32 and tensor.is_contiguous()):
+        return tensor  # not a tensor: the module's launcher refuses it by name
+    return _derive("fp32", tensor, lambda t, capturing: t.to(torch.float32).contiguous())
+
+
+def _check_square(fn, name, matrix, head_dim):
+    if not isinstance(matrix, torch.Tensor) or tuple(matrix.shape) != (head_dim, head_dim):
+        shown = tuple(matrix.shape) if isinstance(matrix, torch.Tensor) else type(matrix).__name__
+        _refuse(fn, f"{name} must be a [{head_dim}, {head_dim}] tensor, got {shown}")
+
+
+def _decode_rotation(fn, Pi, PiT, head_dim):
+    """R = PiT, or Pi.T when PiT is None (vLLM's q_rot = q @ PiT), as contiguous fp32."""
+    if PiT is not None:
+        _check_square(fn, "PiT", PiT, head_dim)
+        return _fp32(PiT)
+    _check_square(fn, "Pi", Pi, head_dim)
+    return _derive("transpose", Pi, lambda t, capturing: t.t().to(torch.float32).contiguous())
+
+
+def _store_rotation(fn, module, PiT, head_dim):
+    """PiT as tqgen's store rotation: the module's own Hadamard matrix where PiT equals it (the store's
+    kernel then rotates by a Walsh-Hadamard transform), else PiT as contiguous fp32."""
+    _check_square(fn, "PiT", PiT, head_dim)
+    if module.CONFIG["rotation"] != "hadamard":
+        return _fp32(PiT)
+
+    def classify(matrix, capturing):
+        rotation = matrix.to(torch.float32).contiguous()
+        if capturing:  # comparing reads values on the host: the general path, correct for any matrix
+            return rotation
+        hadamard = module.default_rotation(matrix.device)
+        return hadamard if torch.allclose(rotation, hadamard, rtol=HADAMARD_RTOL, atol=0.0) else rotation
+
+    return _derive(("store-rotation", id(module)), PiT, classify)
+
+
+def _identity(head_dim, device):
+    """The identity rotation: dequantize then returns keys in the rotated domain, as vLLM's kernel does."""
+    key = ("identity", head_dim, device)
+    if key not in _derived:
+        _derived[key] = (None, torch.eye(head_dim, dtype=torch.float32, device=device))
+    return _derived[key][1]
+
+
+# --- decode ------------------------------------------------------------------------------------
+def _check_rank(fn, name, tensor, ndim, shape):
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != ndim:
+        shown = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        _refuse(fn, f"{name} must be {shape}, got {shown}")
+
+
+def triton_turboquant_decode_attention(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, mse_bits,
+                                       key_packed_size, value_quant_bits, key_fp8=False, norm_correction=False,
+                                       PiT=None, mid_o_buf=None, output_buf=None, lse_buf=None, buf_holder=None,
+                                       max_num_kv_splits=32):
+    """Decode attention, one query token per sequence: [B, Hq, D] in the query's dtype (or output_buf[:B]).
+
+    query [B, Hq, D]; kv_cache uint8 [num_blocks, block_size, Hk, slot] (vLLM's head-major cache
+    transposed, or any strides); block_table int32 [B, max_blocks]; seq_lens int32 [B]; Pi, PiT
+    fp32 [D, D]; centroids fp32 [2**mse_bits] (unused for fp8 keys). lse_buf is not written.
+    """
+    fn = "triton_turboquant_decode_attention"
+    _check_rank(fn, "query", query, 3, "[batch, num_q_heads, head_dim]")
+    _check_rank(fn, "kv_cache", kv_cache, 4, "[num_blocks, block_size, num_kv_heads, slot_bytes]")
+    batch, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[1], kv_cache.shape[2]
+    device = kv_cache.device
+    module = _module(fn, device, head_dim, block_size, key_fp8, mse_bits, key_packed_size, value_quant_bits,
+                     norm_correction)
+    if not isinstance(max_num_kv_splits, int) or max_num_kv_splits < 1:
+        _refuse(fn, f"max_num_kv_splits must be a positive int, got {max_num_kv_splits!r}")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        _refuse(fn, f"query has {num_q_heads} heads, not a multiple of kv_cache's {num_kv_heads} KV heads (dim 2)")
+    out = _decode_output(output_buf, buf_holder, batch, num_q_heads, head_dim, query.dtype, device)
+    if batch == 0:
+        return out
+    group_size = num_q_heads // num_kv_heads
+    context = block_table.shape[1] * block_size  # what the module's decode buckets by when not told
+    num_splits = min(module.decode_launch(batch, num_kv_heads, group_size, context, device)[3], max_num_kv_splits)
+    workspace = _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_dim, num_splits,
+                                  max_num_kv_splits, device, needs_query=not key_fp8)
+    codebook = {} if key_fp8 else {"rotation": _decode_rotation(fn, Pi, PiT, head_dim), "centroids": _fp32(centroids)}
+    return module.decode(query, kv_cache, block_table, seq_lens, scale=scale, out=out, workspace=workspace,
+                         num_splits=num_splits, validate=False, **codebook)
+
+
+def _decode_output(output_buf, buf_holder, batch, num_q_heads, head_dim, dtype, device):
+    """output_buf[:batch] where it fits (vLLM's test: enough rows, the query's dtype), else a new tensor."""
+    if (isinstance(output_buf, torch.Tensor) and output_buf.dim() == 3 and output_buf.dtype == dtype
+            and output_buf.device == device and output_buf.shape[0] >= batch and output_buf.shape[1] >= num_q_heads
+            and output_buf.shape[2] >= head_dim and output_buf.stride(2) == 1):
+        return output_buf[:batch, :num_q_heads, :head_dim]
+    out = torch.empty(batch, num_q_heads, head_dim, dtype=dtype, device=device)
+    if buf_holder is not None:
+        buf_holder._tq_output_buf = out
+    return out
+
+
+def _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_dim, num_splits, max_splits, device,
+                      needs_query):
+    """A DecodeWorkspace over vLLM's mid_o_buf: the partial outputs [B, Hq, splits, D], then the partial
+    log-sum-exps [B, Hq, splits] (together B * Hq * splits * (D + 1) floats, what mid_o_buf holds at
+    max_splits), then the rotated fp16 query where room is left (16-byte aligned)."""
+    partial_floats = batch * num_q_heads * num_splits * head_dim
+    lse_floats = batch * num_q_heads * num_splits
+    query_start = -(-(partial_floats + lse_floats) // 4) * 4
+    fits = (isinstance(mid_o_buf, torch.Tensor) and mid_o_buf.dtype == torch.float32 and mid_o_buf.device == device
+            and mid_o_buf.dim() == 4 and mid_o_buf.shape[0] >= batch and mid_o_buf.shape[1] >= num_q_heads
+            and mid_o_buf.shape[2] >= max_splits and mid_o_buf.shape[3] == head_dim + 1 and mid_o_buf.is_contiguous())
+    if not fits:
+        mid_o_buf = torch.empty(batch, num_q_heads, max_splits, head_dim + 1, dtype=torch.float32, device=device)
+        if buf_holder is not None:
+            buf_holder._tq_mid_o_buf = mid_o_buf
+    flat = mid_o_buf.view(-1)
+    # A copy of an empty workspace of this module (whatever fields its class sets), given vLLM's buffers.
+    key = ("workspace", id(module), num_q_heads, device)
+    if key not in _derived:
+        _derived[key] = (module, module.DecodeWorkspace(0, num_q_heads, 1, device))
+    workspace = copy.copy(_derived[key][1])
+    workspace.max_batch, workspace.num_q_heads, workspace.max_splits = batch, num_q_heads, num_splits
+    workspace.partial_out = flat[:partial_floats].view(batch, num_q_heads, num_splits, head_dim)
+    workspace.partial_lse = flat[partial_floats:partial_floats + lse_floats].view(batch, num_q_heads, num_splits)
+    if needs_query:
+        query_floats = batch * num_q_heads * head_dim // 2
+        if query_start + query_floats <= flat.numel():
+            workspace.query = flat[query_start:query_start + query_floats].view(torch.float16).view(
+                batch, num_q_heads, head_dim)
+        else:
+            workspace.query = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float16, device=device)
+    return workspace
+
+
+# --- store -------------------------------------------------------------------------------------
+def triton_turboquant_store(key, value, kv_cache, slot_mapping, PiT, midpoints, mse_bits, key_packed_size,
+                            value_quant_bits, key_fp8=False, kv_group_size=None):
+    """Quantize key, value [N, Hk, D] into kv_cache [num_blocks, block_size, Hk, slot] at slot_mapping [N]
+    (block * block_size + position; negative entries skipped). PiT fp32 [D, D] and midpoints fp32
+    [2**mse_bits - 1] (ascending) are unused for fp8 keys; kv_group_size changes nothing (module doc)."""
+    fn = "triton_turboquant_store"
+    _check_rank(fn, "key", key, 3, "[num_tokens, num_kv_heads, head_dim]")
+    _check_rank(fn, "kv_cache", kv_cache, 4, "[num_blocks, block_size, num_kv_heads, slot_bytes]")
+    if kv_group_size is not None and (not isinstance(kv_group_size, int) or kv_group_size < 1):
+        _refuse(fn, f"kv_group_size must be None or a positive int, got {kv_group_size!r}")
+    head_dim = key.shape[2]
+    # Norm correction changes how slots are read, not what the store writes: one module serves both.
+    module = _module(fn, kv_cache.device, head_dim, kv_cache.shape[1], key_fp8, mse_bits, key_packed_size,
+                     value_quant_bits, True)
+    if key_fp8:
+        module.store(key, value, kv_cache, slot_mapping, validate=False)
+        return
+    boundaries = 2**mse_bits - 1
+    if not isinstance(midpoints, torch.Tensor) or tuple(midpoints.shape) != (boundaries,):
+        shown = tuple(midpoints.shape) if isinstance(midpoints, torch.Tensor) else type(midpoints).__name__
+        _refuse(fn, f"midpoints must be a [{boundaries}] tensor (between {2**mse_bits} sorted centroids), got {shown}")
+    module.store(key, value, kv_cache, slot_mapping, rotation=_store_rotation(fn, module, PiT, head_dim),
+                 boundaries=_fp32(midpoints), validate=False)
+
+
+# --- continuation prefill: the full dequantize kernel ---------------------------------------------
+def _use_fp8_e4b15(device: int = 0) -> int:
+    """0: these kernels keep fp8 keys as e4m3fn on every GPU (vLLM's use e4b15 below compute capability 8.9)."""
+    return 0
+
+
+class _KernelLaunch:
+    """Launched as vLLM launches its Triton kernel, `kernel[grid](*args, **kwargs)`."""
+
+    def __init__(self, run):
+        self._run = run
+        functools.update_wrapper(self, run)
+
+    def __getitem__(self, grid):
+        return functools.partial(self._run, grid)
+
+
+def _full_dequant_kv(grid, KV_cache_ptr, Block_table_ptr, Centroids_ptr, K_out_ptr, V_out_ptr,
+                     stride_ko_b, stride_ko_h, stride_ko_s, stride_vo_b, stride_vo_h, stride_vo_s,
+                     stride_cache_block, stride_cache_pos, stride_cache_head, stride_bt_b,
+                     HEAD_DIM, BLOCK_SIZE, NUM_KV_HEADS, MSE_BYTES, KPS, VQB, VAL_DATA_BYTES, MSE_BITS, KEY_FP8,
+                     BLOCK_D, NORM_CORRECTION=0, FP8_E4B15=0, num_warps=None, num_stages=None):
+    """vLLM's `_tq_full_dequant_kv[grid](...)`: for grid (positions, batch * NUM_KV_HEADS), K and V of
+    every position < positions of each sequence's blocks, in fp16, into K_out / V_out [B, Hk, S, D]
+    (given strides): keys in the rotated domain (n * c_hat, or the fp8 key), for the caller to
+    multiply by Pi. num_warps and num_stages are the kernel's launch options: tqgen picks its own."""
+    _full_dequant("_tq_full_dequant_kv", grid, KV_cache_ptr, Block_table_ptr, Centroids_ptr, K_out_ptr, V_out_ptr,
+                  (stride_ko_b, stride_ko_h, stride_ko_s), (stride_vo_b, stride_vo_h, stride_vo_s),
+                  (stride_cache_block, stride_cache_pos, stride_cache_head), stride_bt_b, HEAD_DIM, BLOCK_SIZE,
+                  NUM_KV_HEADS, MSE_BYTES, KPS, VQB, VAL_DATA_BYTES, MSE_BITS, bool(KEY_FP8), bool(NORM_CORRECTION),
+                  FP8_E4B15)
+
+
+def _full_dequant_kv_qgroup4(grid, KV_cache_ptr, Block_table_ptr, Centroids_ptr, K_out_ptr, V_out_ptr,
+                             stride_ko_b, stride_ko_h, stride_ko_s, stride_vo_b, stride_vo_h, stride_vo_s,
+                             stride_cache_block, stride_cache_pos, stride_cache_head, stride_bt_b,
+                             HEAD_DIM, BLOCK_SIZE, NUM_KV_HEADS, MSE_BYTES, VQB, VAL_DATA_BYTES, MSE_BITS, BLOCK_D,
+                             NORM_CORRECTION=0, num_warps=None, num_stages=None):
+    """The variant newer vLLM backends launch for MSE keys, 4-bit values and 4 query heads per KV head
+    (their store then writes another layout). The store here writes slots at every group size, so this
+    reads slots exactly as `_tq_full_dequant_kv` does."""
+    _full_dequant("_tq_full_dequant_kv_qgroup4", grid, KV_cache_ptr, Block_table_ptr, Centroids_ptr, K_out_ptr,
+                  V_out_ptr, (stride_ko_b, stride_ko_h, stride_ko_s), (stride_vo_b, stride_vo_h, stride_vo_s),
+                  (stride_cache_block, stride_cache_pos, stride_cache_head), stride_bt_b, HEAD_DIM, BLOCK_SIZE,
+                  NUM_KV_HEADS, MSE_BYTES, MSE_BYTES + 2, VQB, VAL_DATA_BYTES, MSE_BITS, False,
+                  bool(NORM_CORRECTION), 0)
+
+
+_tq_full_dequant_kv = _KernelLaunch(_full_dequant_kv)
+_tq_full_dequant_kv_qgroup4 = _KernelLaunch(_full_dequant_kv_qgroup4)
+
+
+def _full_dequant(fn, grid, kv_cache, block_table, centroids, k_out, v_out, k_strides, v_strides, cache_strides,
+                  block_table_stride, head_dim, block_size, num_kv_heads, mse_bytes, key_packed_size, value_bits,
+                  value_bytes, mse_bits, key_fp8, norm_correction, fp8_e4b15):
+    if not isinstance(grid, (tuple, list)) or not 1 <= len(grid) <= 3 or not all(isinstance(g, int) for g in grid):
+        _refuse(fn, f"grid must be a tuple (positions, batch * NUM_KV_HEADS), got {grid!r}")
+    positions, programs = grid[0], grid[1] if len(grid) > 1 else 1
+    if fp8_e4b15:
+        _refuse(fn, "FP8_E4B15=1: these caches hold e4m3fn keys on every GPU (_use_fp8_e4b15 answers 0)")
+    _check_rank(fn, "KV_cache_ptr", kv_cache, 4, "[num_blocks, block_size, num_kv_heads, slot_bytes]")
+    if (kv_cache.shape[1], kv_cache.shape[2]) != (block_size, num_kv_heads):
+        _refuse(fn, f"KV_cache_ptr is {tuple(kv_cache.shape)}, BLOCK_SIZE {block_size} and NUM_KV_HEADS "
+                f"{num_kv_heads} expect [num_blocks, {block_size}, {num_kv_heads}, slot_bytes]")
+    if tuple(kv_cache.stride()[:3]) != tuple(cache_strides):
+        _refuse(fn, f"stride_cache_block/pos/head {tuple(cache_strides)} are not KV_cache_ptr's strides "
+                f"{tuple(kv_cache.stride()[:3])}")
+    if block_table.stride(0) != block_table_stride and block_table.shape[0] > 1:
+        _refuse(fn, f"stride_bt_b {block_table_stride} is not Block_table_ptr's row stride {block_table.stride(0)}")
+    if programs % num_kv_heads:
+        _refuse(fn, f"grid[1] = {programs} is not a multiple of NUM_KV_HEADS {num_kv_heads}")
+    module = _module(fn, kv_cache.device, head_dim, block_size, key_fp8, mse_bits, key_packed_size, value_bits,
+                     norm_correction)
+    if (not key_fp8 and mse_bytes != module.KEY_CODE_BYTES) or value_bytes != module.VALUE_CODE_BYTES:
+        _refuse(fn, f"MSE_BYTES {mse_bytes} / VAL_DATA_BYTES {value_bytes} do not match the format "
+                f"({module.KEY_CODE_BYTES} / {module.VALUE_CODE_BYTES} bytes)")
+    batch = programs // num_kv_heads
+    if positions <= 0 or batch == 0:
+        return
+    seq_lens = torch.full((batch,), positions, dtype=torch.int32, device=kv_cache.device)
+    codebook = {} if key_fp8 else {"rotation": _identity(head_dim, kv_cache.device), "centroids": _fp32(centroids)}
+    keys, values = module.dequantize(kv_cache, block_table[:batch], seq_lens, max_len=positions, dtype=torch.float16,
+                                     validate=False, **codebook)
+    shape = (batch, num_kv_heads, positions, head_dim)
+    k_out.as_strided(shape, (*k_strides, 1), k_out.storage_offset()).copy_(keys)
+    v_out.as_strided(shape, (*v_strides, 1), v_out.storage_offset()).copy_(values)
