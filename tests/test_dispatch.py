@@ -300,6 +300,17 @@ def test_dispatcher_imports_without_tqgen(built, tmp_path):
     assert result.stdout.split() == [f"{built['k8v4'].path.stem}_sm80", "16", "False"]
 
 
+@pytest.mark.parametrize("preset", sorted(PLANES))
+def test_dispatcher_source_is_tidy_and_imports_only_its_runtime(built, preset):
+    from test_render import assert_tidy
+
+    source = built[preset].path.read_text()
+    assert_tidy(source)  # <= 120 columns, PEP 8 spacing
+    assert "{{" not in source and "{%" not in source
+    imported = set(re.findall(r"^import (\S+)$", source, re.M)) | set(re.findall(r"^from (\S+) import", source, re.M))
+    assert imported == {"hashlib", "importlib.util", "inspect", "os", "sys", "threading", "types", "torch", "triton"}
+
+
 def test_the_dispatcher_template_is_not_in_the_module_template_hash(tmp_path, monkeypatch):
     """Explicit-arch modules record render.template_hash: the dispatcher's template must not change them."""
     import shutil
