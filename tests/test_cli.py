@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tqgen import config as config_mod
+from tqgen import dispatch, tuned_files
 from tqgen import render as render_mod
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,9 +24,18 @@ def tqgen(*args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def expected_module_name(path) -> str:
-    # Under TRITON_INTERPRET=1 (no GPU) arch 'auto' resolves to sm80.
-    return dataclasses.replace(config_mod.load(REPO / path), arch="sm80").artifact_name() + ".py"
+def dispatcher_name(path) -> str:
+    """What `tqgen build` writes for arch auto, on any machine: the dispatcher, named without an arch..."""
+    return config_mod.load(REPO / path).artifact_name() + ".py"
+
+
+def variant_name(path, arch) -> str:
+    """...and one module per known arch."""
+    return dataclasses.replace(config_mod.load(REPO / path), arch=arch).artifact_name() + ".py"
+
+
+def built_names(path) -> set:
+    return {dispatcher_name(path)} | {variant_name(path, arch) for arch in config_mod.KNOWN_ARCHES}
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess) -> str:
@@ -52,14 +62,20 @@ def built(tmp_path_factory):
 # --------------------------------------------------------------------------
 # build
 # --------------------------------------------------------------------------
-def test_build_writes_one_module_per_config(built):
+def test_build_writes_a_dispatcher_and_every_arch_per_config(built):
     result, out, files = built
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
-    assert set(files) == {expected_module_name(K3V4), expected_module_name(K8V4)}
+    assert set(files) == built_names(K3V4) | built_names(K8V4)
     assert all(name.startswith("tq_") and name.endswith(".py") for name in files)
-    for config_path in (K3V4, K8V4):  # one "config -> file" line each
-        assert f"{config_path} -> {out / expected_module_name(config_path)}" in result.stdout
+    lines = result.stdout.splitlines()
+    for config_path in (K3V4, K8V4):  # "config -> dispatcher", then a line per variant with its tuned devices
+        assert f"{config_path} -> {out / dispatcher_name(config_path)} (arch auto" in result.stdout
+        for arch in config_mod.KNOWN_ARCHES:
+            (line,) = [line for line in lines if line.endswith(variant_name(config_path, arch)) or
+                       f"{variant_name(config_path, arch)} " in line]
+            assert line.startswith(f"  {arch} ")
+            assert ("NVIDIA H200 (" in line) == (arch == "sm90") and ("none" in line) == (arch != "sm90")
 
 
 def test_built_modules_compile(built):
@@ -70,10 +86,32 @@ def test_built_modules_compile(built):
 
 
 def test_built_module_matches_in_process_render(built):
-    # Rendering is deterministic across processes: the CLI's file equals render() here.
+    # Rendering is deterministic across processes: the CLI's files equal render() here, each variant exactly
+    # the module of an explicit-arch config with its tuned launches.
     _, _, files = built
-    config = dataclasses.replace(config_mod.load(REPO / K3V4), arch="sm80")
-    assert files[expected_module_name(K3V4)][0] == render_mod.render(config).encode("utf-8")
+    config = config_mod.load(REPO / K3V4)
+    variants = []
+    for arch in config_mod.KNOWN_ARCHES:
+        explicit = dataclasses.replace(config, arch=arch)
+        tuned = tuned_files.baked_launches(REPO / "tuned", explicit, print)
+        variants.append(dispatch.Variant(explicit, render_mod.render(explicit, tuned), tuned))
+        assert files[variant_name(K3V4, arch)][0] == variants[-1].source.encode("utf-8")
+    assert files[dispatcher_name(K3V4)][0] == dispatch.render_dispatcher(config, variants).encode("utf-8")
+
+
+def test_build_of_an_explicit_arch_writes_that_module_only(tmp_path):
+    config = tmp_path / "k3v4-sm90.yaml"
+    config.write_text(GOOD_YAML + "arch: sm90\nname: k3v4-d128\n")
+    out = tmp_path / "out"
+    result = tqgen("build", config, "-o", out)
+    assert result.returncode == 0, result.stderr
+    explicit = config_mod.load(config)
+    (module,) = out.iterdir()
+    assert module.name == variant_name(K3V4, "sm90") == f"{explicit.artifact_name()}.py"
+    assert module.read_bytes() == render_mod.render(
+        explicit, tuned_files.baked_launches(REPO / "tuned", explicit, print)).encode("utf-8")
+    buckets = len(tuned_files.baked_launches(REPO / "tuned", explicit, print)["NVIDIA H200"]["buckets"])
+    assert result.stdout == f"{config} -> {module} (tuned launches: NVIDIA H200 ({buckets} buckets))\n"
 
 
 def test_second_build_leaves_files_untouched(built):
@@ -92,12 +130,12 @@ def test_second_build_leaves_files_untouched(built):
 def test_build_replaces_a_stale_module(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    stale = out / expected_module_name(K3V4)
+    stale = out / dispatcher_name(K3V4)
     stale.write_text("# stale\n")
     result = tqgen("build", K3V4, "-o", out)
     assert result.returncode == 0, result.stderr
     assert stale.read_text().startswith("# Generated by tqgen")
-    assert [p.name for p in out.iterdir()] == [stale.name]
+    assert {p.name for p in out.iterdir()} == built_names(K3V4)
 
 
 # --------------------------------------------------------------------------
@@ -144,7 +182,7 @@ def test_unwritable_output_fails_with_one_line(tmp_path):
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 @pytest.mark.parametrize("folder, why", [("/proc/forbidden", "it cannot be created"),
-                                         ("/proc", f"/proc/{expected_module_name(K3V4)} cannot be created")])
+                                         ("/proc", f"/proc/{variant_name(K3V4, 'sm80')} cannot be created")])
 def test_output_folder_that_takes_no_files_fails_with_one_line(folder, why):
     # /proc takes no new folders or files, even from root, and answers "No such file or directory",
     # which names the wrong thing.
@@ -199,10 +237,30 @@ def test_show_prints_slot_size_and_artifact_name():
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert "118 bytes" in result.stdout
-    assert expected_module_name(K3V4) in result.stdout
-    resolved = dataclasses.replace(config_mod.load(REPO / K3V4), arch="sm80")
-    assert resolved.hash() in result.stdout
+    # arch auto: what build writes, whatever this machine has: the dispatcher, each variant, each one's tuning.
+    assert f"artifact    {dispatcher_name(K3V4)}:" in result.stdout
+    assert config_mod.load(REPO / K3V4).hash() in result.stdout
     assert render_mod.template_hash() in result.stdout
+    sm90 = dataclasses.replace(config_mod.load(REPO / K3V4), arch="sm90")
+    buckets = len(tuned_files.baked_launches(REPO / "tuned", sm90, print)["NVIDIA H200"]["buckets"])
+    shown = result.stdout.split("\nvariant     ")[1:]
+    assert [block.split(":")[0] for block in shown] == list(config_mod.KNOWN_ARCHES)
+    for arch, block in zip(config_mod.KNOWN_ARCHES, shown):
+        variant = dataclasses.replace(config_mod.load(REPO / K3V4), arch=arch)
+        assert block.startswith(f"{arch}: {variant_name(K3V4, arch)}, decode {render_mod.decode_kernel_hash(variant)}")
+        assert (f"  tuned       NVIDIA H200: {buckets} buckets" in block) == (arch == "sm90"), block
+        assert ("  tuned       none" in block) == (arch != "sm90")
+
+
+def test_show_of_an_explicit_arch_shows_that_module(tmp_path):
+    config = tmp_path / "k3v4-sm80.yaml"
+    config.write_text(GOOD_YAML + "arch: sm80\n")
+    result = tqgen("show", config)
+    assert result.returncode == 0, result.stderr
+    assert f"artifact    {config_mod.load(config).artifact_name()}.py\n" in result.stdout
+    assert "variant " not in result.stdout
+    assert "tuned       none for sm80" in result.stdout and "NVIDIA_H200/tq_kmse3_v4_d128_p16_nc_hadamard_sm90.json" \
+        in result.stdout  # the arch that has launches is named
 
 
 def test_render_prints_a_module_that_compiles():

@@ -223,4 +223,6 @@ def test_slots_configs_keep_their_hash_and_planes_configs_get_their_own():
     planes = config_mod.from_mapping(dict(fields, cache_layout="planes"))
     assert implicit.hash() == explicit.hash() and "cache_layout" not in implicit.canonical_json()
     assert planes.hash() != implicit.hash()
-    assert "_planes_" in planes.artifact_name() and "planes" not in implicit.artifact_name()
+    assert "planes" in planes.artifact_name().split("_") and "planes" not in implicit.artifact_name()
+    # An arch follows the layout (arch auto, whose module is the dispatcher over every arch, names none).
+    assert config_mod.resolve_arch(planes, (9, 0)).artifact_name() == planes.artifact_name() + "_sm90"

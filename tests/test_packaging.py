@@ -63,6 +63,36 @@ def test_readme_example_runs(monkeypatch, tmp_path):
     assert list(tmp_path.glob("tq_kmse3_v4_d128_*.py"))
 
 
+def test_readme_build_example_loads_what_a_build_here_writes(monkeypatch, tmp_path, capsys):
+    """The Quick start's `tqgen build`, run on this machine (no GPU needed), writes the files that the
+    README's examples load: the dispatcher, named without an arch."""
+    from tqgen import cli
+
+    text = (ROOT / "README.md").read_text()
+    command = re.search(r"```bash\n(.*?)\n```", text[text.index("## Quick start"):], re.S).group(1)
+    build = command[command.index("tqgen build "):].split()
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([str(ROOT / arg) if arg.endswith(".yaml") else arg for arg in build[1:]]) == 0
+    named = set(re.findall(r"build/(tq_\w+)\.py", text)) | set(re.findall(r"import (tq_\w+) as tq", text))
+    assert named and all((tmp_path / "build" / f"{name}.py").is_file() for name in named), named
+    section = text[text.index("### Building once, running anywhere"):text.index("### Without a GPU")]
+    program = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the example's sys.path.insert, undone after the test
+    for name in named:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    capsys.readouterr()
+    exec(compile(program.replace('"cuda"', repr(device)), "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    from tqgen import config as config_mod
+
+    config = config_mod.load(ROOT / "configs" / "k3v4-d128-planes.yaml")
+    arch = "sm80" if device == "cpu" else config_mod.resolve_arch(config, torch.cuda.get_device_capability()).arch
+    assert printed == f"{arch} {sorted(config_mod.KNOWN_ARCHES)}\n"
+    for name in named:  # imported by the example: gone with it
+        sys.modules.pop(name, None)
+
+
 def test_readme_cpu_example_runs_as_the_readme_says(tmp_path):
     """The section's CPU program, saved as the README names it and run with the README's command from the
     repository's root: TRITON_INTERPRET=1 set in the environment before Python starts, nowhere else."""

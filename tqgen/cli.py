@@ -25,11 +25,21 @@ def _cmd_build(args: argparse.Namespace) -> int:
     configs = [config_mod.load(path) for path in args.configs]
     from . import emit
 
-    configs = [emit.as_config(config) for config in configs]
     for path, config in zip(args.configs, configs):
-        out = emit.build(config, args.output, args.tuned_dir)
-        print(f"{path} -> {out}")
+        built = emit.build_files(config, args.output, args.tuned_dir)
+        if not built.variants:
+            print(f"{path} -> {built.path} (tuned launches: {_tuned_devices(built.tuned)})")
+            continue
+        print(f"{path} -> {built.path} (arch auto: each call runs the variant for its device's arch)")
+        for variant in built.variants:
+            print(f"  {variant.arch:6s} {variant.path}  tuned launches: {_tuned_devices(variant.tuned)}")
     return 0
+
+
+def _tuned_devices(tuned: dict) -> str:
+    if not tuned:
+        return "none (heuristic)"
+    return ", ".join(f"{device} ({len(entry['buckets'])} buckets)" for device, entry in sorted(tuned.items()))
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
@@ -40,18 +50,45 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from . import emit, render
+    from . import config as config_mod
+    from . import dispatch, emit, render
+
+    # arch auto: what `tqgen build` writes, a dispatcher over one module per arch (whatever GPU is here).
+    shown = config_mod.load(args.config)
+    variants = dispatch.variant_configs(shown) if shown.arch == "auto" else []
+    print(f"config      {args.config}")
+    for key, value in shown.to_dict().items():
+        print(f"  {key:16s}{value}")
+    if variants:
+        print(f"artifact    {shown.artifact_name()}.py: each call runs the variant for its device's arch "
+              f"(arch auto), one module each: {', '.join(v.arch for v in variants)}")
+    else:
+        print(f"artifact    {shown.artifact_name()}.py")
+    print(f"config hash {shown.hash()}")
+    print(f"templates   {render.template_hash()}  ({render.template_dir()})")
+    if not variants:
+        print(f"decode      {render.decode_kernel_hash(shown)}  (kernel hash: tuned launches are valid for it)")
+    _show_layout(shown)
+    root = Path(args.tuned_dir) if args.tuned_dir else emit.default_tuned_dir()
+    current = _current_gpu()
+    if not variants:
+        _show_tuned(shown, root, current)
+        return 0
+    for variant in variants:
+        print(f"variant     {variant.arch}: {variant.artifact_name()}.py, decode {render.decode_kernel_hash(variant)}")
+        _show_tuned(variant, root, current, indent="  ")
+    if current is not None:
+        name, capability = current
+        runs = config_mod.arch_for_capability(capability)
+        print(f"this GPU    {name} ({capability[0]}.{capability[1]}) runs "
+              + (f"the {runs} variant" if runs else "none of them (older than every variant)"))
+    return 0
+
+
+def _show_layout(config) -> None:
     from .layout import SPLIT_HIGH_ORDER, SPLIT_LOW_ORDER, Layout
 
-    config = emit.as_config(args.config)
     layout = Layout.from_config(config)
-    print(f"config      {args.config}")
-    for key, value in config.to_dict().items():
-        print(f"  {key:16s}{value}")
-    print(f"artifact    {config.artifact_name()}.py")
-    print(f"config hash {config.hash()}")
-    print(f"templates   {render.template_hash()}  ({render.template_dir()})")
-    print(f"decode      {render.decode_kernel_hash(config)}  (kernel hash: tuned launches are valid for it)")
     print(f"slot        {layout.slot_bytes} bytes per token and KV head "
           f"({layout.fp16_bytes_per_token / layout.slot_bytes:.2f}x smaller than fp16 K+V)")
     print(f"  {'field':28s}{'offset':>8s}{'bytes':>7s}")
@@ -68,38 +105,44 @@ def _cmd_show(args: argparse.Namespace) -> int:
                   f"{layout.high_bits_offset}")
             print(f"  in each group of 8 codes, 2-bit field i holds code {SPLIT_LOW_ORDER}[i], "
                   f"high bit i code {SPLIT_HIGH_ORDER}[i]")
-    _show_tuned(config, args.tuned_dir)
-    return 0
 
 
-def _show_tuned(config, tuned_dir) -> None:
-    from . import emit, tuned_files
+def _current_gpu():
+    """(name, capability) of the current CUDA device, or None without one."""
+    if not _cuda_available():
+        return None
+    import torch
 
-    root = Path(tuned_dir) if tuned_dir else emit.default_tuned_dir()
-    baked = tuned_files.baked_launches(root, config, lambda message: print(f"  {message}"))
-    current = None
-    if _cuda_available():
-        import torch
+    return torch.cuda.get_device_name(), tuple(torch.cuda.get_device_capability())
 
-        current = torch.cuda.get_device_name()
-    if not baked:
+
+def _show_tuned(config, root: Path, current, indent: str = "") -> None:
+    """The tuned launches a build bakes for one resolved config; `current` is _current_gpu(). `indent`: a
+    variant of an arch-auto module (its other archs are shown beside it)."""
+    from . import tuned_files
+
+    baked = tuned_files.baked_launches(root, config, lambda message: print(f"{indent}  {message}"))
+    current_name = current[0] if current else None
+    if not baked and indent:
+        print(f"{indent}tuned       none; every shape uses the heuristic launch")
+    elif not baked:
         print(f"tuned       none for {config.arch} under {root}; every shape uses the heuristic launch "
               f"(decode_launch_defaults)")
         stem = config.artifact_name().removesuffix(f"_{config.arch}")
         others = sorted(p for p in root.glob(f"*/{stem}_sm*.json") if p.stem != config.artifact_name()) \
             if root.is_dir() else []
         if others:
-            print(f"            tuned for other archs (build with that arch, or on that GPU): "
+            print(f"            tuned for other archs (arch: auto carries every arch's; or build with that arch): "
                   f"{', '.join(str(p.relative_to(root)) for p in others)}")
     for device, entry in sorted(baked.items()):
-        here = " (this GPU)" if device == current else ""
-        print(f"tuned       {device}{here}: {len(entry['buckets'])} buckets, {entry['source']}, "
+        here = " (this GPU)" if device == current_name else ""
+        print(f"{indent}tuned       {device}{here}: {len(entry['buckets'])} buckets, {entry['source']}, "
               f"triton {entry['triton_version']}")
-        print(f"  {'bucket':22s}{'block_kv':>9s}{'warps':>6s}{'stages':>7s}{'splits':>7s}")
+        print(f"{indent}  {'bucket':22s}{'block_kv':>9s}{'warps':>6s}{'stages':>7s}{'splits':>7s}")
         for key, launch in entry["buckets"].items():
-            print(f"  {key:22s}" + "".join(f"{value:{width}d}" for value, width in zip(launch, (9, 6, 7, 7))))
-    if current is not None and current not in baked:
-        print(f"tuned       nothing for this GPU ({current}): run tqgen tune")
+            print(f"{indent}  {key:22s}" + "".join(f"{value:{width}d}" for value, width in zip(launch, (9, 6, 7, 7))))
+    if current_name is not None and current_name not in baked and not indent:
+        print(f"tuned       nothing for this GPU ({current_name}): run tqgen tune")
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -281,13 +324,15 @@ def make_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
-    build = commands.add_parser("build", help="render configs into importable modules")
+    build = commands.add_parser("build", help="render configs into importable modules (arch auto: one per arch "
+                                "and a dispatcher, whatever GPU this machine has)")
     build.add_argument("configs", nargs="+", metavar="CONFIG", help="YAML config files")
     build.add_argument("-o", "--output", default="build", metavar="DIR", help="output folder (default: build)")
     build.add_argument("--tuned-dir", metavar="DIR", help="tuned launches to bake (default: tuned/ of the checkout)")
     build.set_defaults(run=_cmd_build)
 
-    render = commands.add_parser("render", help="print the generated module of one config")
+    render = commands.add_parser("render", help="print the generated module of one config (arch auto: this "
+                                 "machine's arch, sm80 without a GPU)")
     render.add_argument("config", metavar="CONFIG")
     render.set_defaults(run=_cmd_render)
 

@@ -31,6 +31,8 @@ KEY_FORMATS = ("mse", "fp8")
 MSE_KEY_BITS = (2, 3, 4)
 VALUE_BITS = (2, 3, 4, 8)
 ARCHES = ("sm80", "sm86", "sm89", "sm90", "sm100", "auto")
+# The archs a module is rendered for, oldest first: an `arch: auto` build renders each (tqgen/dispatch.py).
+KNOWN_ARCHES = tuple(arch for arch in ARCHES if arch != "auto")
 ROTATIONS = ("hadamard", "random")
 OUTPUT_DTYPES = ("auto", "float16", "bfloat16", "float32")
 HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 64, 256, 8
@@ -45,8 +47,9 @@ PLANES_MIN_BLOCK_SIZE = 8  # every plane of a page then starts 16-byte aligned
 class Config:
     """A validated, fully resolved cache-format config.
 
-    `arch` may still be "auto" here; `resolve_arch` turns it into a concrete
-    target before rendering.
+    `arch` may still be "auto" here: `resolve_arch` turns it into the current
+    machine's arch before rendering one module, and `tqgen build` renders one
+    module per known arch plus a dispatcher (tqgen/dispatch.py).
     """
 
     key_format: str
@@ -89,7 +92,8 @@ class Config:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
 
     def artifact_name(self) -> str:
-        """A file name that spells out every specialization of the kernels."""
+        """A file name that spells out every specialization of the kernels; for arch "auto" (the
+        dispatcher over one module per arch) the same name without the arch."""
         key = "kfp8" if self.key_format == "fp8" else f"kmse{self.key_bits}"
         parts = [key, f"v{self.value_bits}", f"d{self.head_dim}", f"p{self.block_size}"]
         if self.key_format == "mse":
@@ -99,7 +103,8 @@ class Config:
             parts.append({"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[self.output_dtype])
         if self.cache_layout != "slots":
             parts.append(self.cache_layout)
-        parts.append(self.arch)
+        if self.arch != "auto":
+            parts.append(self.arch)
         return "tq_" + "_".join(parts)
 
 
@@ -326,14 +331,22 @@ def resolve_arch(config: Config, device_capability: tuple[int, int] | None = Non
     if device_capability is None:
         arch = "sm80"
     else:
-        major, minor = device_capability
-        arch = f"sm{major}{minor}"
-        if arch not in ARCHES:
-            # Map unknown parts onto the nearest arch we render for, never upward.
-            known = sorted(int(a[2:]) for a in ARCHES if a != "auto")
-            value = major * 10 + minor
-            arch = f"sm{max([k for k in known if k <= value], default=80)}"
+        # Unknown parts map onto the nearest arch we render for, never upward (the dispatcher of an
+        # arch-auto module picks its variant by the same rule).
+        arch = arch_for_capability(tuple(device_capability)) or "sm80"
     return dataclasses.replace(config, arch=arch)
+
+
+def arch_capability(arch: str) -> tuple[int, int]:
+    """The compute capability an arch's code is for: "sm90" -> (9, 0), "sm100" -> (10, 0)."""
+    number = int(arch[2:])
+    return number // 10, number % 10
+
+
+def arch_for_capability(capability: tuple[int, int]) -> str | None:
+    """The newest known arch whose capability is at most `capability`, or None for an older device."""
+    fitting = [arch for arch in KNOWN_ARCHES if arch_capability(arch) <= tuple(capability)]
+    return max(fitting, key=arch_capability, default=None)
 
 
 def _current_capability() -> tuple[int, int] | None:

@@ -2,12 +2,17 @@
 
 `build` writes `<out_dir>/<artifact_name>.py` atomically (temp file in the same
 folder, fsync, rename), and only when its bytes change, so a killed build
-leaves the old module or the new one, never a partial file. `load` builds into
-a cache folder when needed and imports the module.
+leaves the old module or the new one, never a partial file. For `arch: auto` it
+writes, whatever machine it runs on, one module per known arch plus the
+dispatcher that picks one per device (tqgen/dispatch.py): all temp files first,
+then the renames, the dispatcher last (files.write_atomic_group). `load` builds
+into a cache folder when needed and imports the module; it resolves `arch: auto`
+to the machine it runs on, the machine that then runs the module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -17,9 +22,10 @@ from types import ModuleType
 from typing import Union
 
 from . import config as config_mod
+from . import dispatch
 from .config import Config
 from .errors import TqgenError
-from .files import write_atomic
+from .files import GroupWriteError, write_atomic_group
 from .render import render
 
 ConfigLike = Union[Config, str, os.PathLike]
@@ -52,22 +58,61 @@ def as_config(config_or_path: ConfigLike) -> Config:
     return config_mod.resolve_arch(config)
 
 
+@dataclasses.dataclass(frozen=True)
+class BuiltVariant:
+    """One arch's module of an arch-auto build."""
+    arch: str
+    path: Path
+    tuned: dict  # device name -> baked launches (tuned_files.baked_launches)
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """What a build wrote: the module to import (for arch auto, the dispatcher) and what it carries."""
+    path: Path
+    tuned: dict  # an explicit arch's baked launches; {} for arch auto (each variant has its own)
+    variants: tuple[BuiltVariant, ...] = ()  # arch auto: every arch's module, oldest first
+
+
 def build(config_or_path: ConfigLike, out_dir: str | os.PathLike | None = None,
           tuned_dir: str | os.PathLike | None = None) -> Path:
-    """Render one config, with the tuned launches found for it, and write its module; returns its path."""
+    """Render one config, with the tuned launches found for it, and write its module; returns the path of
+    the module to import (for `arch: auto`, the dispatcher: see build_files)."""
+    return build_files(config_or_path, out_dir, tuned_dir).path
+
+
+def build_files(config_or_path: ConfigLike, out_dir: str | os.PathLike | None = None,
+                tuned_dir: str | os.PathLike | None = None) -> Built:
+    """Render one config and write its files. An explicit arch gives one module; `arch: auto` is kept as it
+    is (the build machine does not decide it) and gives one module per known arch, each exactly as an
+    explicit-arch build of that arch, with its tuned launches, and the dispatcher over them."""
     from . import tuned_files
 
-    config = as_config(config_or_path)
+    config = config_or_path if isinstance(config_or_path, Config) else config_mod.load(config_or_path)
     out = Path(out_dir) if out_dir is not None else default_cache_dir()
-    path = out / f"{config.artifact_name()}.py"
     root = Path(tuned_dir) if tuned_dir is not None else default_tuned_dir()
-    source = render(config, tuned_files.baked_launches(root, config, _warn))
+    path = out / f"{config.artifact_name()}.py"
+    if config.arch != "auto":
+        tuned = tuned_files.baked_launches(root, config, _warn)
+        _write(out, [(path, render(config, tuned))])
+        return Built(path, tuned)
+    variants = []
+    for variant_config in dispatch.variant_configs(config):
+        tuned = tuned_files.baked_launches(root, variant_config, _warn)
+        variants.append(dispatch.Variant(variant_config, render(variant_config, tuned), tuned))
+    files = [(out / variant.file_name, variant.source) for variant in variants]
+    _write(out, files + [(path, dispatch.render_dispatcher(config, variants))])  # the dispatcher last
+    return Built(path, {}, tuple(BuiltVariant(v.arch, out / v.file_name, v.tuned) for v in variants))
+
+
+def _write(out: Path, files: list[tuple[Path, str]]) -> None:
+    """Write the files of one build together (files.write_atomic_group), or say in one line why not."""
     _make_folder(out)
     try:
-        write_atomic(path, source.encode("utf-8"))
-    except OSError as exc:
-        raise TqgenError(f"the folder {out} cannot be written: {path} cannot be created ({_why(exc)})") from None
-    return path
+        write_atomic_group([(path, source.encode("utf-8")) for path, source in files])
+    except GroupWriteError as exc:
+        raise TqgenError(f"the folder {out} cannot be written: {exc.path} cannot be created "
+                         f"({_why(exc.cause)})") from None
 
 
 def _make_folder(out: Path) -> None:
@@ -113,8 +158,10 @@ def load(config_or_path: ConfigLike, cache_dir: str | os.PathLike | None = None,
     """Import the module for a config (a Config, a YAML path, or an emitted .py file).
 
     Configs are rendered and written to `cache_dir` (default: `default_cache_dir()`)
-    only when the file's bytes would change, then imported.
+    only when the file's bytes would change, then imported. `arch: auto` is resolved
+    to this machine's GPU (sm80 without one): the module is built where it runs. An
+    emitted file is imported as it is (a dispatcher picks its variant per device).
     """
     if not isinstance(config_or_path, Config) and str(config_or_path).endswith(".py"):
         return import_module_file(config_or_path)
-    return import_module_file(build(config_or_path, cache_dir, tuned_dir))
+    return import_module_file(build(as_config(config_or_path), cache_dir, tuned_dir))

@@ -29,6 +29,7 @@ from .config import Config
 from .plan import Plan
 
 MODULE_TEMPLATE = "module.py.jinja"
+DISPATCHER_TEMPLATE = "dispatcher.py.jinja"  # an arch-auto build's dispatcher (tqgen/dispatch.py)
 # The decode launcher that the tuner times: it runs the kernels with a chosen launch. Launch
 # selection (the tuned table, the heuristic) sits above it and is not part of the hash.
 DECODE_ENTRY = "_run_decode"
@@ -45,11 +46,14 @@ def template_dir() -> Path:
 
 
 def template_hash() -> str:
-    """SHA-256 over every template's path and bytes (recorded for information: the tuning is keyed on
-    decode_kernel_hash)."""
+    """SHA-256 over the path and bytes of every template a module is rendered from (recorded for
+    information: the tuning is keyed on decode_kernel_hash). The dispatcher's template is left out: it
+    renders no kernel, and an arch-auto dispatcher records the SHA-256 of each module it loads."""
     digest = hashlib.sha256()
     root = template_dir()
     for path in sorted(root.rglob("*.jinja")):
+        if path.relative_to(root).as_posix() == DISPATCHER_TEMPLATE:
+            continue
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
