@@ -258,7 +258,14 @@ def decode(layout: Layout, query: torch.Tensor, kv_cache: torch.Tensor, block_ta
            seq_lens: torch.Tensor, rotation: torch.Tensor | None = None, centroids: torch.Tensor | None = None,
            scale: float | None = None, dtype=torch.float64) -> torch.Tensor:
     """Decode attention [B, Hq, D] for one query token per sequence; seq_len 0 gives zeros."""
-    kv_cache = as_slots(layout, kv_cache)
+    return _decode_slots_cache(layout, query, as_slots(layout, kv_cache), block_table, seq_lens, rotation, centroids,
+                               scale, dtype)
+
+
+def _decode_slots_cache(layout: Layout, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, rotation: torch.Tensor | None, centroids: torch.Tensor | None,
+                        scale: float | None, dtype) -> torch.Tensor:
+    """`decode` over a cache in the "slots" layout."""
     batch, hq, d = query.shape
     hkv = kv_cache.shape[2]
     group = hq // hkv
@@ -284,6 +291,9 @@ def decode_multi(layout: Layout, query: torch.Tensor, kv_cache: torch.Tensor, bl
     to the positions before seq_len - q_len + 1 + j, i.e. it is `decode` of that token on the sequence
     cut to that length. A token that sees no position (seq_len < q_len) gives zeros."""
     q_len = query.shape[1]
-    tokens = [decode(layout, query[:, j], kv_cache, block_table, (seq_lens.to(torch.int64) - q_len + 1 + j).clamp_min(0),
-                     rotation, centroids, scale, dtype) for j in range(q_len)]
+    slots = as_slots(layout, kv_cache)  # once, not per token
+    tokens = [_decode_slots_cache(layout, query[:, j], slots, block_table,
+                                  (seq_lens.to(torch.int64) - q_len + 1 + j).clamp_min(0), rotation, centroids, scale,
+                                  dtype)
+              for j in range(q_len)]
     return torch.stack(tokens, dim=1)
