@@ -36,6 +36,9 @@ from ablate_stage1 import import_source  # noqa: E402  (beside this file)
 
 TRIGGER = "        tl.extra.cuda.gdc_launch_dependents()\n"
 EVERY_BATCH = ("_DEPENDENT_LAUNCH_MAX_BATCH = 1\n", "_DEPENDENT_LAUNCH_MAX_BATCH = 1 << 30\n")
+# The module's decode_multi section renders the same stage-1 template and stage-2 launch again: the
+# edits below are to decode's kernels and launcher, which come before it.
+MULTI_TOKEN_SECTION = "# decode_multi: several query tokens per sequence"
 
 
 def _late_trigger(source: str) -> str:
@@ -46,6 +49,13 @@ def _late_trigger(source: str) -> str:
 
 
 def variant(source: str, name: str) -> str:
+    cut = source.find(MULTI_TOKEN_SECTION)
+    if cut < 0:
+        cut = len(source)
+    return _decode_variant(source[:cut], name) + source[cut:]
+
+
+def _decode_variant(source: str, name: str) -> str:
     if name == "serial":
         edits = [('DEPENDENT_LAUNCH = os.environ.get("TQGEN_DEPENDENT_LAUNCH", "1") != "0"',
                   "DEPENDENT_LAUNCH = False")]

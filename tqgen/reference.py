@@ -258,7 +258,14 @@ def decode(layout: Layout, query: torch.Tensor, kv_cache: torch.Tensor, block_ta
            seq_lens: torch.Tensor, rotation: torch.Tensor | None = None, centroids: torch.Tensor | None = None,
            scale: float | None = None, dtype=torch.float64) -> torch.Tensor:
     """Decode attention [B, Hq, D] for one query token per sequence; seq_len 0 gives zeros."""
-    kv_cache = as_slots(layout, kv_cache)
+    return _decode_slots_cache(layout, query, as_slots(layout, kv_cache), block_table, seq_lens, rotation, centroids,
+                               scale, dtype)
+
+
+def _decode_slots_cache(layout: Layout, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, rotation: torch.Tensor | None, centroids: torch.Tensor | None,
+                        scale: float | None, dtype) -> torch.Tensor:
+    """`decode` over a cache in the "slots" layout."""
     batch, hq, d = query.shape
     hkv = kv_cache.shape[2]
     group = hq // hkv
@@ -274,3 +281,19 @@ def decode(layout: Layout, query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         scores = torch.einsum("hd,hnd->hn", query[b].to(dtype), k) * scale
         out[b] = torch.einsum("hn,hnd->hd", torch.softmax(scores, dim=-1), v)
     return out
+
+
+def decode_multi(layout: Layout, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, rotation: torch.Tensor | None = None, centroids: torch.Tensor | None = None,
+                 scale: float | None = None, dtype=torch.float64) -> torch.Tensor:
+    """Decode attention [B, q_len, Hq, D] for q_len query tokens per sequence, whose keys and values are
+    the last q_len of its seq_len cached tokens (speculative decoding's verification): token j attends
+    to the positions before seq_len - q_len + 1 + j, i.e. it is `decode` of that token on the sequence
+    cut to that length. A token that sees no position (seq_len < q_len) gives zeros."""
+    q_len = query.shape[1]
+    slots = as_slots(layout, kv_cache)  # once, not per token
+    tokens = [_decode_slots_cache(layout, query[:, j], slots, block_table,
+                                  (seq_lens.to(torch.int64) - q_len + 1 + j).clamp_min(0), rotation, centroids, scale,
+                                  dtype)
+              for j in range(q_len)]
+    return torch.stack(tokens, dim=1)

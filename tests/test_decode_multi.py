@@ -1,0 +1,274 @@
+"""decode_multi: q_len query tokens per sequence (speculative decoding's verification) against the float64
+reference (one single-token decode per query token on the sequence cut to that token's limit), and the
+single-token decode it must equal at q_len 1. The CPU runs a subset; the GPU (`pytest -m gpu`) the matrix."""
+
+import pytest
+import torch
+
+from conftest import DEVICES, HAS_CUDA, codebook_kwargs, make_config, stored_cache
+from tqgen import reference, render
+from tqgen.layout import Layout
+from tqgen.testing import DECODE_TOLERANCE, relative_error
+
+GPU = [DEVICES[1]]  # the device fixture's CUDA parameter (marked gpu): tests too slow for the interpreter
+
+
+def ragged_seq_lens(q_len, page=16):
+    """Sequences whose first query token sees exactly 1 position (seq_len = q_len), 15 (its limit below a
+    page boundary) and 67 - q_len (over three pages, so the last split lies past some tokens' limits)."""
+    return [q_len, 14 + q_len, 66]
+
+
+def multi_inputs(module, config, seq_lens, device, q_len, num_kv_heads=2, group_size=4, dtype=torch.float32, seed=0):
+    batch, cache = stored_cache(module, config, seq_lens, device, num_kv_heads, seed)
+    generator = torch.Generator().manual_seed(seed + 100)
+    query = torch.randn(len(seq_lens), q_len, num_kv_heads * group_size, config.head_dim, generator=generator)
+    return batch, cache, query.to(device=device, dtype=dtype), codebook_kwargs(module, config, device)
+
+
+def check_decode_multi(module, config, device, seq_lens, q_len, num_kv_heads=2, group_size=4, dtype=torch.float32,
+                       seed=0, strided_query=False, **launch):
+    """decode_multi of a random ragged batch against reference.decode_multi; returns the output."""
+    batch, cache, query, kwargs = multi_inputs(module, config, seq_lens, device, q_len, num_kv_heads, group_size,
+                                               dtype, seed)
+    if strided_query:  # same values, laid out [head_dim, heads, q_len, batch] underneath
+        query = query.permute(3, 2, 1, 0).contiguous().permute(3, 2, 1, 0)
+    out = module.decode_multi(query, cache, batch.block_table, batch.seq_lens, **kwargs, **launch)
+    want = reference.decode_multi(Layout.from_config(config), query, cache, batch.block_table, batch.seq_lens,
+                                  kwargs.get("rotation"), kwargs.get("centroids"))
+    assert out.dtype == dtype and out.shape == want.shape == query.shape
+    assert torch.isfinite(out).all()
+    error = relative_error(out, want)
+    assert error < DECODE_TOLERANCE[dtype], f"relative error {error:.2e}"
+    return out
+
+
+@pytest.mark.parametrize("q_len", [1, 2, 4, 8])
+@pytest.mark.parametrize("preset,layout", [("k3v4", "planes"), ("k8v4", "slots")])
+def test_decode_multi_matches_the_reference(device, build_module, preset, layout, q_len):
+    config = make_config(preset, cache_layout=layout)
+    check_decode_multi(build_module(config), config, device, ragged_seq_lens(q_len), q_len, num_kv_heads=1,
+                       block_kv=32, num_splits=3)
+
+
+@pytest.mark.parametrize("q_len", [2, 8])
+@pytest.mark.parametrize("preset,layout", [("k3v4", "slots"), ("k8v4", "planes")])
+def test_decode_multi_matches_the_reference_in_the_other_layouts(device, build_module, preset, layout, q_len):
+    config = make_config(preset, cache_layout=layout)
+    check_decode_multi(build_module(config), config, device, [q_len, 14 + q_len], q_len, block_kv=32, num_splits=2)
+
+
+@pytest.mark.parametrize("group_size,q_len,num_kv_heads", [(1, 4, 2), (6, 3, 1), (16, 8, 1)])
+def test_decode_multi_group_sizes(device, build_module, group_size, q_len, num_kv_heads):
+    """6 heads pad the dot's rows (3 x 6 = 18 of 32); 16 heads x 8 tokens exceed a program's 64 rows, so
+    two programs take 4 tokens each and the first stops at its last token's limit."""
+    config = make_config("k3v4", cache_layout="planes")
+    check_decode_multi(build_module(config), config, device, [q_len + 1, 40], q_len, num_kv_heads=num_kv_heads,
+                       group_size=group_size, block_kv=32, num_splits=2)
+
+
+@pytest.mark.parametrize("device", GPU)
+@pytest.mark.parametrize("group_size", [1, 4, 6, 8, 16, 64])
+@pytest.mark.parametrize("q_len", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3", "k8v4"])
+@pytest.mark.parametrize("layout", ["slots", "planes"])
+def test_decode_multi_matrix_on_the_gpu(device, build_module, layout, preset, q_len, group_size):
+    config = make_config(preset, cache_layout=layout)
+    check_decode_multi(build_module(config), config, device, ragged_seq_lens(q_len) + [1000, 4097], q_len,
+                       group_size=group_size)
+
+
+@pytest.mark.parametrize("device", GPU)
+@pytest.mark.parametrize("block_kv,num_warps,num_stages", [(32, 1, 1), (32, 1, 3), (64, 2, 2), (128, 4, 1)])
+@pytest.mark.parametrize("preset,layout", [("k3v4", "planes"), ("k8v4", "planes"), ("k4v4", "slots")])
+def test_decode_multi_launch_parameters_on_the_gpu(device, build_module, preset, layout, block_kv, num_warps,
+                                                   num_stages):
+    config = make_config(preset, cache_layout=layout)
+    for num_splits in (1, 5, 16):
+        check_decode_multi(build_module(config), config, device, ragged_seq_lens(4) + [300], 4, block_kv=block_kv,
+                           num_warps=num_warps, num_stages=num_stages, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("preset,dtype", [("k8v4", torch.bfloat16), ("k3v4", torch.float16)])
+def test_decode_multi_reads_a_strided_half_precision_query(device, build_module, preset, dtype):
+    """fp8 keys: stage 1 reads the caller's query by its four strides; MSE keys: tq_prepare_query reads
+    it as [batch * q_len, heads, D] (a copy where the strides do not allow a view)."""
+    config = make_config(preset, cache_layout="planes")
+    check_decode_multi(build_module(config), config, device, [3, 20], 3, dtype=dtype, strided_query=True,
+                       num_splits=2)
+
+
+@pytest.mark.parametrize("preset,layout", [("k3v4", "planes"), ("k8v4", "slots")])
+def test_q_len_one_is_decode_bit_for_bit(device, build_module, preset, layout):
+    config = make_config(preset, cache_layout=layout)
+    module = build_module(config)
+    batch, cache, query, kwargs = multi_inputs(module, config, [1, 20, 40], device, 1)
+    single = module.decode(query[:, 0], cache, batch.block_table, batch.seq_lens, **kwargs)
+    multi = module.decode_multi(query, cache, batch.block_table, batch.seq_lens, **kwargs)
+    assert multi.shape == (3, 1, 8, 128)
+    assert torch.equal(multi[:, 0], single)
+
+
+@pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
+def test_multi_token_kernel_at_one_token_is_the_tl_dot_decode(device, build_module, monkeypatch, preset):
+    """decode_multi runs decode's kernels at q_len 1; its own stage 1 at Q_LEN 1 computes what decode's
+    tl.dot stage 1 does, bit for bit (decode held to that kernel, its query from tq_prepare_query)."""
+    config = make_config(preset, cache_layout="planes")
+    module = build_module(config)
+    monkeypatch.setattr(module, "MMA_STAGE1", False, raising=False)
+    batch, cache, query, kwargs = multi_inputs(module, config, [1, 20, 40], device, 1)
+    if "rotation" in kwargs:
+        kwargs["rotation"] = kwargs["rotation"].clone()  # not the default tensor: stage 1 does not rotate it
+        arguments = (kwargs["rotation"], kwargs["centroids"])
+    else:
+        arguments = ()
+    launch = (3, 32, 1, 1)  # num_splits, block_kv, num_warps, num_stages
+    want = module.decode(query[:, 0], cache, batch.block_table, batch.seq_lens, num_splits=3, block_kv=32,
+                         num_warps=1, num_stages=1, **kwargs)
+    out = torch.empty_like(query)
+    module._run_decode_multi(query, cache, batch.block_table, batch.seq_lens, *arguments, out, None, 128 ** -0.5,
+                             *launch)
+    assert torch.equal(out[:, 0], want)
+
+
+@pytest.mark.parametrize("layout", ["slots", "planes"])
+def test_a_split_past_a_tokens_limit_has_weight_zero(device, build_module, layout):
+    """seq_len 66, q_len 4, 32-token splits: [64, 66) lies past token 0's limit (63) and token 1's (64),
+    so their rows of that split keep lse = -inf (stage 2 weighs them 0 and never reads their output,
+    NaN here); tokens 2 and 3 see positions 64 and 64-65 of it."""
+    config = make_config("k3v4", cache_layout=layout)
+    module = build_module(config)
+    batch, cache, query, kwargs = multi_inputs(module, config, [66], device, 4)
+    workspace = module.DecodeWorkspace(1, 8, 4, device, max_q_len=4)
+    workspace.partial_out.fill_(float("nan"))
+    workspace.partial_lse.fill_(float("nan"))
+    out = module.decode_multi(query, cache, batch.block_table, batch.seq_lens, workspace=workspace, num_splits=3,
+                              block_kv=32, **kwargs)
+    lse = workspace.partial_lse[:4, :, :3]  # [query token, head, split]
+    assert torch.isfinite(lse[:, :, :2]).all()
+    assert (lse[:2, :, 2] == float("-inf")).all() and torch.isfinite(lse[2:, :, 2]).all()
+    want = reference.decode_multi(Layout.from_config(config), query, cache, batch.block_table, batch.seq_lens,
+                                  kwargs.get("rotation"), kwargs.get("centroids"))
+    assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
+
+
+def test_without_validation_a_token_that_sees_nothing_gets_zeros(device, build_module):
+    """validate=False leaves seq_len < q_len to the caller: the tokens whose limit is 0 or less see no
+    position and get zeros, as a seq_len of 0 does in decode."""
+    config = make_config("k8v4", cache_layout="planes")
+    module = build_module(config)
+    batch, cache, query, kwargs = multi_inputs(module, config, [2, 0, 9], device, 4)
+    out = module.decode_multi(query, cache, batch.block_table, batch.seq_lens, validate=False, **kwargs)
+    assert (out[0, :2] == 0).all() and (out[1] == 0).all() and not (out[0, 2:] == 0).any()
+    want = reference.decode_multi(Layout.from_config(config), query, cache, batch.block_table, batch.seq_lens)
+    assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
+
+
+def test_workspace_and_out_buffers(device, build_module):
+    """A workspace of 2 sequences x 4 tokens serves 2 x 3 (its rows: sequences x tokens), and `out` may
+    be a view whose [batch, q_len] dims flatten."""
+    config = make_config("k3v4", cache_layout="slots")
+    module = build_module(config)
+    batch, cache, query, kwargs = multi_inputs(module, config, [30, 6], device, 3)
+    workspace = module.DecodeWorkspace(max_batch=2, num_q_heads=8, max_splits=4, device=device, max_q_len=4)
+    workspace.partial_out.fill_(float("nan"))
+    out = torch.full((2, 3, 16, 128), float("nan"), device=device)[:, :, 4:12]  # heads 4..11 of 16
+    result = module.decode_multi(query, cache, batch.block_table, batch.seq_lens, out=out, workspace=workspace,
+                                 num_splits=3, **kwargs)
+    assert result is out
+    plain = module.decode_multi(query, cache, batch.block_table, batch.seq_lens, num_splits=3, **kwargs)
+    assert torch.equal(out, plain)
+
+
+def test_decode_multi_rejects_bad_arguments(device, build_module):
+    config = make_config("k3v4", cache_layout="planes")
+    module = build_module(config)
+    batch, cache, query, kwargs = multi_inputs(module, config, [20, 5], device, 4)
+    table, lens = batch.block_table, batch.seq_lens
+    cases = [
+        (dict(query=query[:, :0]), "q_len 0"),
+        (dict(query=torch.randn(2, 9, 8, 128, device=device)), "q_len 9"),
+        (dict(query=query[:, 0]), "query must have 4 dimensions"),
+        (dict(seq_lens=torch.tensor([20, 3], dtype=torch.int32, device=device)), "seq_lens has an entry of 3 tokens"),
+        (dict(out=torch.empty(2, 4, 8, 128, device=device).transpose(0, 1)), "out must be"),
+        (dict(out=torch.empty(2, 3, 8, 128, device=device)), "out must be"),
+        (dict(workspace=module.DecodeWorkspace(2, 8, 4, device, max_q_len=2), num_splits=2), "workspace holds"),
+        (dict(block_kv=16), "block_kv must be"),
+    ]
+    arguments = dict(query=query, kv_cache=cache, block_table=table, seq_lens=lens)
+    for override, message in cases:
+        call = dict(arguments, **override)
+        with pytest.raises(module.LaunchError, match=message) as raised:
+            module.decode_multi(call.pop("query"), call.pop("kv_cache"), call.pop("block_table"),
+                                call.pop("seq_lens"), **kwargs, **call)
+        assert "\n" not in str(raised.value)
+
+
+def test_empty_batch(device, build_module):
+    config = make_config("k8v4")
+    module = build_module(config)
+    cache = module.make_cache(2, 2, device)
+    out = module.decode_multi(torch.zeros(0, 3, 4, 128, device=device), cache,
+                              torch.zeros(0, 1, dtype=torch.int32, device=device),
+                              torch.zeros(0, dtype=torch.int32, device=device))
+    assert out.shape == (0, 3, 4, 128)
+
+
+@pytest.mark.parametrize("stem", ["k3v4-d128", "k3v4-d128-planes", "k8v4-d128", "k8v4-d128-planes"])
+def test_the_multi_token_path_is_outside_the_decode_hash(stem):
+    """The tuned launches are keyed on what _run_decode reaches: the multi-token kernel and launcher must
+    not be among it (they would re-key every committed tuned file), and decode_multi must reach them."""
+    config = make_config(stem.split("-")[0], cache_layout="planes" if stem.endswith("planes") else "slots")
+    source = render.render(config)
+    assert not {"tq_decode_multi_stage1", "_run_decode_multi", "decode_multi"} & set(render.decode_path(source))
+    assert {"tq_decode_multi_stage1", "tq_decode_stage2", "_run_decode"} <= set(render.decode_path(source, "decode_multi"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("preset,layout", [("k3v4", "planes"), ("k8v4", "planes"), ("k4v4", "slots")])
+def test_decode_multi_captured_in_a_cuda_graph_replays_for_new_batch_contents(build_module, preset, layout):
+    config = make_config(preset, cache_layout=layout)
+    module = build_module(config)
+    kwargs = codebook_kwargs(module, config, "cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    num_blocks, max_blocks, batch, q_len, heads = 64, 8, 4, 4, 8
+    cache = module.make_cache(num_blocks, 2, "cuda")
+    tokens = num_blocks * config.block_size
+    module.store(torch.randn(tokens, 2, 128, device="cuda", generator=generator),
+                 torch.randn(tokens, 2, 128, device="cuda", generator=generator),
+                 cache, torch.arange(tokens, device="cuda"), **kwargs)
+    query = torch.empty(batch, q_len, heads, 128, device="cuda")
+    block_table = torch.empty(batch, max_blocks, dtype=torch.int32, device="cuda")
+    seq_lens = torch.empty(batch, dtype=torch.int32, device="cuda")
+    out = torch.empty(batch, q_len, heads, 128, device="cuda")
+    workspace = module.DecodeWorkspace(batch, heads, 16, "cuda", max_q_len=q_len)
+
+    def fill(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        query.copy_(torch.randn(batch, q_len, heads, 128, device="cuda", generator=g))
+        block_table.copy_(torch.randperm(num_blocks, device="cuda", generator=g)[: batch * max_blocks]
+                          .view(batch, max_blocks).int())
+        seq_lens.copy_(torch.randint(q_len, max_blocks * config.block_size + 1, (batch,), device="cuda", generator=g))
+
+    def run():
+        module.decode_multi(query, cache, block_table, seq_lens, out=out, workspace=workspace, num_splits=16,
+                            **kwargs)
+
+    fill(1)
+    run()  # compile and build per-device constants outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for seed in (2, 3, 4):
+        fill(seed)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = module.decode_multi(query, cache, block_table, seq_lens, num_splits=16, **kwargs)
+        assert torch.isfinite(out).all()
+        assert relative_error(out, want) < 1e-6
+        expected = reference.decode_multi(Layout.from_config(config), query, cache, block_table, seq_lens,
+                                          kwargs.get("rotation"), kwargs.get("centroids"))
+        assert relative_error(out, expected) < DECODE_TOLERANCE[torch.float32]
