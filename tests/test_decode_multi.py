@@ -10,6 +10,13 @@ from tqgen import reference, render
 from tqgen.layout import Layout
 from tqgen.testing import DECODE_TOLERANCE, relative_error
 
+# Query tokens whose causal limit ends before a split leave that split with a running sum of 0, and stage 1
+# stores where(running_sum > 0, running_max + log2(running_sum), -inf): Triton's interpreter computes log2 on
+# every lane with numpy, which warns "divide by zero" for those lanes before tl.where discards them (a GPU
+# gives -inf silently; the tests check the outputs). Every multi-token case can mask whole splits so, as in
+# test_launch_validation.py, the warning is expected throughout this file.
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
+
 GPU = [DEVICES[1]]  # the device fixture's CUDA parameter (marked gpu): tests too slow for the interpreter
 
 
