@@ -371,6 +371,29 @@ def test_continuation_prefill_dequantize_launch(device, launch, cache_dtype):
     assert not k_cached.isnan().any() and torch.all(k_buf[:, :, alloc_len:].isnan())
 
 
+def test_derived_codebook_tensors_are_kept_per_source_and_version_without_a_bound(monkeypatch):
+    """One derived tensor per (source, kind) as long as the source lives and is not written: 300 per-layer
+    sources cycled three times derive 300 times (a bounded cache shorter than the cycle would miss every
+    time); an in-place write derives again; while a graph is captured, fresh_in_capture always derives."""
+    calls = []
+
+    def make(source, capturing):
+        calls.append(capturing)
+        return source * 2
+
+    sources = [torch.full((4, 4), float(i)) for i in range(300)]
+    for _ in range(3):
+        for source in sources:
+            assert torch.equal(vllm._derive("test-kind", source, make), source * 2)
+    assert len(calls) == 300
+    sources[7].add_(1.0)  # a weight reload writing in place
+    assert torch.equal(vllm._derive("test-kind", sources[7], make), sources[7] * 2) and len(calls) == 301
+    monkeypatch.setattr(vllm, "_capturing", lambda tensor: True)
+    vllm._derive("test-kind", sources[8], make)  # derived before the capture: its entry is used
+    vllm._derive("test-kind", sources[8], make, fresh_in_capture=True)
+    assert calls[301:] == [True]
+
+
 def test_a_hadamard_pit_takes_the_stores_walsh_hadamard_path():
     """vLLM's Hadamard matrix (built in fp32, one rounding from tqgen's) is replaced by the module's
     own, which the store's kernel applies itself; any other matrix is passed on as it is."""

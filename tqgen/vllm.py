@@ -46,12 +46,12 @@ Differences from vLLM's kernels, all deliberate:
 
 from __future__ import annotations
 
-import collections
 import copy
 import functools
 import math
 
 import torch
+import torch.utils.weak
 
 from . import config as config_mod
 from . import emit
@@ -69,8 +69,6 @@ VALUE_BITS = (3, 4)  # what vLLM's store and decode read and write
 # A caller's PiT within this relative distance of the Sylvester Hadamard matrix takes the module's own
 # (applied by a Walsh-Hadamard transform): vLLM builds it in fp32, one rounding from tqgen's.
 HADAMARD_RTOL = 1e-6
-# Tensors derived from a caller's codebook tensors (rotations, fp32 copies) kept at most.
-_DERIVED_MAX = 256
 
 
 class VllmArgumentError(ValueError):
@@ -158,27 +156,35 @@ def _config(fn, device, head_dim, block_size, key_fp8, mse_bits, key_packed_size
 
 
 # --- the codebook ------------------------------------------------------------------------------
-_derived: collections.OrderedDict = collections.OrderedDict()
+# Tensors derived from a caller's codebook tensors (rotations, fp32 copies): source tensor -> {kind: (signature,
+# derived)}, kept while the source lives. No size bound: an engine holds a codebook tensor or two per layer and
+# calls in a fixed order, so a bounded cache shorter than that cycle would miss on every call.
+_derived = torch.utils.weak.WeakIdKeyDictionary()
+# Per module and device: the identity rotation, an empty decode workspace to copy.
+_constants: dict = {}
 
 
 def _capturing(tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _derive(kind, source, make):
-    """make(source), once per source tensor and contents version. The entry holds the source, so
-    its address cannot be reused by another tensor while the entry exists. While a CUDA graph is
-    being captured a new source is derived without caching (`make` must then not synchronize)."""
-    key = (kind, source.data_ptr(), source._version, source.shape, source.stride(), source.dtype, source.device)
-    entry = _derived.get(key)
-    if entry is not None:
-        _derived.move_to_end(key)
-        return entry[1]
-    derived = make(source, capturing=_capturing(source))
-    if not _capturing(source):
-        _derived[key] = (source, derived)
-        if len(_derived) > _DERIVED_MAX:
-            _derived.popitem(last=False)
+def _derive(kind, source, make, fresh_in_capture=False):
+    """make(source), once per source tensor, kind and contents version (in-place writes bump it). While a CUDA
+    graph is being captured a source not derived before is derived without caching (`make` must then not
+    synchronize), and with fresh_in_capture every source is: the graph then holds the copy kernel, so a replay
+    reads the source as it is then (a weight reload writing it in place reaches the graph)."""
+    signature = (source._version, source.data_ptr(), source.shape, source.stride(), source.dtype, source.device)
+    capturing = _capturing(source)
+    entries = _derived.get(source)
+    if entries is not None and not (capturing and fresh_in_capture):
+        entry = entries.get(kind)
+        if entry is not None and entry[0] == signature:
+            return entry[1]
+    derived = make(source, capturing=capturing)
+    if not capturing:
+        if entries is None:
+            entries = _derived[source] = {}
+        entries[kind] = (signature, derived)
     return derived
 
 
@@ -186,7 +192,7 @@ def _fp32(tensor):
     """The tensor as contiguous fp32 (itself when it already is: no lookup on the hot path)."""
     if not isinstance(tensor, torch.Tensor) or (tensor.dtype == torch.float32 and tensor.is_contiguous()):
         return tensor  # not a tensor: the module's launcher refuses it by name
-    return _derive("fp32", tensor, lambda t, capturing: t.to(torch.float32).contiguous())
+    return _derive("fp32", tensor, lambda t, capturing: t.to(torch.float32).contiguous(), fresh_in_capture=True)
 
 
 def _check_square(fn, name, matrix, head_dim):
@@ -201,7 +207,7 @@ def _decode_rotation(fn, Pi, PiT, head_dim):
         _check_square(fn, "PiT", PiT, head_dim)
         return _fp32(PiT)
     _check_square(fn, "Pi", Pi, head_dim)
-    return _derive("transpose", Pi, lambda t, capturing: t.t().to(torch.float32).contiguous())
+    return _derive("transpose", Pi, lambda t, capturing: t.t().to(torch.float32).contiguous(), fresh_in_capture=True)
 
 
 def _store_rotation(fn, module, PiT, head_dim):
@@ -224,9 +230,9 @@ def _store_rotation(fn, module, PiT, head_dim):
 def _identity(head_dim, device):
     """The identity rotation: dequantize then returns keys in the rotated domain, as vLLM's kernel does."""
     key = ("identity", head_dim, device)
-    if key not in _derived:
-        _derived[key] = (None, torch.eye(head_dim, dtype=torch.float32, device=device))
-    return _derived[key][1]
+    if key not in _constants:
+        _constants[key] = torch.eye(head_dim, dtype=torch.float32, device=device)
+    return _constants[key]
 
 
 # --- decode ------------------------------------------------------------------------------------
@@ -301,9 +307,9 @@ def _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_di
     flat = mid_o_buf.view(-1)
     # A copy of an empty workspace of this module (whatever fields its class sets), given vLLM's buffers.
     key = ("workspace", id(module), num_q_heads, device)
-    if key not in _derived:
-        _derived[key] = (module, module.DecodeWorkspace(0, num_q_heads, 1, device))
-    workspace = copy.copy(_derived[key][1])
+    if key not in _constants:
+        _constants[key] = module.DecodeWorkspace(0, num_q_heads, 1, device)
+    workspace = copy.copy(_constants[key])
     workspace.max_batch, workspace.num_q_heads, workspace.max_splits = batch, num_q_heads, num_splits
     workspace.partial_out = flat[:partial_floats].view(batch, num_q_heads, num_splits, head_dim)
     workspace.partial_lse = flat[partial_floats:partial_floats + lse_floats].view(batch, num_q_heads, num_splits)
