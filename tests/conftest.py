@@ -108,6 +108,24 @@ def check_decode(module, config, device, seq_lens, num_kv_heads=2, group_size=4,
     return out
 
 
+def replays_of_a_capture(run, fill, out, seeds):
+    """Graph replay of run() for new inputs: fill(1) and one eager run (it compiles and builds per-device
+    constants outside the capture), then run() captured in a CUDA graph; per seed, fill(seed), `out` set to NaN,
+    one replay. Yields each seed once its replay has finished, for the caller to check `out`."""
+    fill(1)
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for seed in seeds:
+        fill(seed)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        yield seed
+
+
 class KernelRecorder:
     """Stands in for a kernel in a module's globals (the launchers look kernels up there, so
     monkeypatch.setattr(module, name, recorder) catches every launch): records each launch's

@@ -5,7 +5,7 @@ single-token decode it must equal at q_len 1. The CPU runs a subset; the GPU (`p
 import pytest
 import torch
 
-from conftest import DEVICES, HAS_CUDA, codebook_kwargs, make_config, stored_cache
+from conftest import DEVICES, HAS_CUDA, codebook_kwargs, make_config, replays_of_a_capture, stored_cache
 from tqgen import reference, render
 from tqgen.layout import Layout
 from tqgen.testing import DECODE_TOLERANCE, relative_error
@@ -262,17 +262,7 @@ def test_decode_multi_captured_in_a_cuda_graph_replays_for_new_batch_contents(bu
         module.decode_multi(query, cache, block_table, seq_lens, out=out, workspace=workspace, num_splits=16,
                             **kwargs)
 
-    fill(1)
-    run()  # compile and build per-device constants outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for seed in (2, 3, 4):
-        fill(seed)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    for _ in replays_of_a_capture(run, fill, out, seeds=(2, 3, 4)):
         want = module.decode_multi(query, cache, block_table, seq_lens, num_splits=16, **kwargs)
         assert torch.isfinite(out).all()
         assert relative_error(out, want) < 1e-6

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import HAS_CUDA, codebook_kwargs, make_config
+from conftest import HAS_CUDA, codebook_kwargs, make_config, replays_of_a_capture
 from tqgen import reference
 from tqgen.layout import Layout
 from tqgen.testing import relative_error
@@ -79,17 +79,7 @@ def test_decode_captured_in_a_cuda_graph_replays_for_new_batch_contents(build_mo
     def run():
         module.decode(query, cache, block_table, seq_lens, out=out, workspace=workspace, num_splits=16, **kwargs)
 
-    fill(1)
-    run()  # compile and build per-device constants outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for seed in (2, 3, 4):
-        fill(seed)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    for _ in replays_of_a_capture(run, fill, out, seeds=(2, 3, 4)):
         want = module.decode(query, cache, block_table, seq_lens, num_splits=16, **kwargs)
         assert torch.isfinite(out).all()
         assert relative_error(out, want) < 1e-6
