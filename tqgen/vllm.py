@@ -151,7 +151,8 @@ def _config(fn, device, head_dim, block_size, key_fp8, mse_bits, key_packed_size
         _refuse(fn, f"key_packed_size {key_packed_size!r} does not match the format: "
                 f"{'fp8' if key_fp8 else f'{mse_bits}-bit MSE'} keys of head_dim {head_dim} take {packed} bytes")
     config = config_mod.from_mapping(dict(fields, head_dim=head_dim, block_size=block_size), "<tqgen.vllm>")
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    # CPU tensors run in Triton's interpreter: the portable sm80 module, whatever GPU the machine has.
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (8, 0)
     return config_mod.resolve_arch(config, capability)
 
 
