@@ -171,6 +171,23 @@ def test_without_validation_a_token_that_sees_nothing_gets_zeros(device, build_m
     assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
 
 
+def test_without_validation_limits_count_from_seq_lens_past_the_table(device, build_module):
+    """validate=False with seq_lens past what the block table holds: only the table's positions are read,
+    and each token's limit still counts from seq_lens as passed (3 past a 32-token table at q_len 4: every
+    token sees all 32 positions), not from the table's length (which would hide the last 3 from token 0)."""
+    config = make_config("k3v4", cache_layout="planes")
+    module = build_module(config)
+    batch, cache, query, kwargs = multi_inputs(module, config, [32], device, 4, num_kv_heads=1)
+    table = batch.block_table[:, :32 // config.block_size].contiguous()  # holds the 32 positions, no more
+    longer = batch.seq_lens + 3
+    out = module.decode_multi(query, cache, table, longer, validate=False, num_splits=2, block_kv=32, **kwargs)
+    layout = Layout.from_config(config)
+    for token in range(4):
+        want = reference.decode(layout, query[:, token], cache, table, batch.seq_lens,
+                                kwargs.get("rotation"), kwargs.get("centroids"))
+        assert relative_error(out[:, token], want) < DECODE_TOLERANCE[torch.float32], f"token {token}"
+
+
 def test_workspace_and_out_buffers(device, build_module):
     """A workspace of 2 sequences x 4 tokens serves 2 x 3 (its rows: sequences x tokens), and `out` may
     be a view whose [batch, q_len] dims flatten."""

@@ -218,6 +218,29 @@ def test_store_leaves_slot_padding_and_other_slots_alone(device):
     assert torch.all(cache.cpu()[..., 69] == SENTINEL)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="a CPU test")
+def test_store_reads_as_many_slot_mapping_entries_as_key_has_tokens():
+    """As vLLM's kernel: a slot_mapping longer than key (padded for a CUDA graph) has its tail ignored, even
+    where the tail names real slots; a shorter one is refused; the module's own refusals (here a value of
+    another shape) come as VllmArgumentError naming the drop-in."""
+    arguments = vllm.preset_arguments("turboquant_k8v4", 64)
+    slot_bytes = vllm.slot_size_aligned("turboquant_k8v4", 64)
+    key, value, _, _, slot_mapping, num_blocks = ragged_batch(16, 1, 64, [5], key_fp8=True)
+    store_arguments = (None, None, 0, arguments["key_packed_size"], arguments["value_quant_bits"])
+    exact = vllm_cache(num_blocks, 16, 1, slot_bytes, "head_major", "cpu")
+    vllm.triton_turboquant_store(key, value, exact, slot_mapping, *store_arguments, key_fp8=True)
+    padded = vllm_cache(num_blocks, 16, 1, slot_bytes, "head_major", "cpu")
+    tail = torch.arange(num_blocks * 16 - 3, num_blocks * 16, dtype=slot_mapping.dtype)  # real slots
+    vllm.triton_turboquant_store(key, value, padded, torch.cat([slot_mapping, tail]), *store_arguments, key_fp8=True)
+    assert torch.equal(padded, exact) and (exact != SENTINEL).any()
+    with pytest.raises(vllm.VllmArgumentError, match="slot_mapping has 4 entries for 6 tokens"):
+        vllm.triton_turboquant_store(key, value, padded, slot_mapping[:4], *store_arguments, key_fp8=True)
+    with pytest.raises(vllm.VllmArgumentError) as refusal:
+        vllm.triton_turboquant_store(key, value[:, :, :32], padded, slot_mapping, *store_arguments, key_fp8=True)
+    message = str(refusal.value)
+    assert message.startswith("triton_turboquant_store: ") and "value" in message and "\n" not in message
+
+
 def stored_problem(cache_dtype, head_dim, device, rotation="hadamard", group_size=4, block_size=16,
                    seq_lens=(21, 0, 40)):
     """A cache the drop-in store filled (head-major), with a query: the inputs of a decode call."""

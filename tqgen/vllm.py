@@ -79,6 +79,12 @@ def _refuse(fn: str, message: str):
     raise VllmArgumentError(f"{fn}: {message}")
 
 
+def _refused_by_module(fn: str, error: Exception):
+    """A built module's LaunchError (its message names the module's function and the argument) as this
+    function's VllmArgumentError, so that callers catch one type."""
+    raise VllmArgumentError(f"{fn}: {error}") from None
+
+
 def preset_arguments(cache_dtype: str, head_dim: int) -> dict:
     """The format arguments vLLM's backend passes its kernels for a cache dtype and head dim:
     mse_bits, key_packed_size, value_quant_bits, key_fp8, norm_correction."""
@@ -274,8 +280,11 @@ def triton_turboquant_decode_attention(query, kv_cache, block_table, seq_lens, P
     workspace = _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_dim, num_splits,
                                   max_num_kv_splits, device, needs_query=not key_fp8)
     codebook = {} if key_fp8 else {"rotation": _decode_rotation(fn, Pi, PiT, head_dim), "centroids": _fp32(centroids)}
-    return module.decode(query, kv_cache, block_table, seq_lens, scale=scale, out=out, workspace=workspace,
-                         num_splits=num_splits, validate=False, **codebook)
+    try:
+        return module.decode(query, kv_cache, block_table, seq_lens, scale=scale, out=out, workspace=workspace,
+                             num_splits=num_splits, validate=False, **codebook)
+    except module.LaunchError as error:
+        _refused_by_module(fn, error)
 
 
 def _decode_output(output_buf, buf_holder, batch, num_q_heads, head_dim, dtype, device):
@@ -339,15 +348,24 @@ def triton_turboquant_store(key, value, kv_cache, slot_mapping, PiT, midpoints, 
     # Norm correction changes how slots are read, not what the store writes: one module serves both.
     module = _module(fn, kv_cache.device, head_dim, kv_cache.shape[1], key_fp8, mse_bits, key_packed_size,
                      value_quant_bits, True)
-    if key_fp8:
-        module.store(key, value, kv_cache, slot_mapping, validate=False)
-        return
-    boundaries = 2**mse_bits - 1
-    if not isinstance(midpoints, torch.Tensor) or tuple(midpoints.shape) != (boundaries,):
-        shown = tuple(midpoints.shape) if isinstance(midpoints, torch.Tensor) else type(midpoints).__name__
-        _refuse(fn, f"midpoints must be a [{boundaries}] tensor (between {2**mse_bits} sorted centroids), got {shown}")
-    module.store(key, value, kv_cache, slot_mapping, rotation=_store_rotation(fn, module, PiT, head_dim),
-                 boundaries=_fp32(midpoints), validate=False)
+    # vLLM's kernel stores key.shape[0] tokens and reads that many entries of slot_mapping: a longer one
+    # (padded for a CUDA graph) has its tail ignored; a shorter one is refused (vLLM would read past it).
+    if isinstance(slot_mapping, torch.Tensor) and slot_mapping.dim() == 1:
+        if slot_mapping.shape[0] < key.shape[0]:
+            _refuse(fn, f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens of key")
+        slot_mapping = slot_mapping[:key.shape[0]]
+    codebook = {}
+    if not key_fp8:
+        boundaries = 2**mse_bits - 1
+        if not isinstance(midpoints, torch.Tensor) or tuple(midpoints.shape) != (boundaries,):
+            shown = tuple(midpoints.shape) if isinstance(midpoints, torch.Tensor) else type(midpoints).__name__
+            _refuse(fn, f"midpoints must be a [{boundaries}] tensor (between {2**mse_bits} sorted centroids), "
+                    f"got {shown}")
+        codebook = dict(rotation=_store_rotation(fn, module, PiT, head_dim), boundaries=_fp32(midpoints))
+    try:
+        module.store(key, value, kv_cache, slot_mapping, validate=False, **codebook)
+    except module.LaunchError as error:
+        _refused_by_module(fn, error)
 
 
 # --- continuation prefill: the full dequantize kernel ---------------------------------------------
@@ -431,8 +449,11 @@ def _full_dequant(fn, grid, kv_cache, block_table, centroids, k_out, v_out, k_st
         return
     seq_lens = torch.full((batch,), positions, dtype=torch.int32, device=kv_cache.device)
     codebook = {} if key_fp8 else {"rotation": _identity(head_dim, kv_cache.device), "centroids": _fp32(centroids)}
-    keys, values = module.dequantize(kv_cache, block_table[:batch], seq_lens, max_len=positions, dtype=torch.float16,
-                                     validate=False, **codebook)
+    try:
+        keys, values = module.dequantize(kv_cache, block_table[:batch], seq_lens, max_len=positions,
+                                         dtype=torch.float16, validate=False, **codebook)
+    except module.LaunchError as error:
+        _refused_by_module(fn, error)
     shape = (batch, num_kv_heads, positions, head_dim)
     k_out.as_strided(shape, (*k_strides, 1), k_out.storage_offset()).copy_(keys)
     v_out.as_strided(shape, (*v_strides, 1), v_out.storage_offset()).copy_(values)
