@@ -259,6 +259,28 @@ def stored_problem(cache_dtype, head_dim, device, rotation="hadamard", group_siz
         block_table=block_table.to(device), seq_lens=seq_lens.to(device), key=key, value=value)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="a CPU test")
+def test_decode_reads_the_first_batch_rows_of_longer_metadata():
+    """As vLLM's kernel: block_table and seq_lens with more rows than the query (padded for a CUDA graph)
+    are read for the query's B sequences only; fewer rows are refused as VllmArgumentError."""
+    problem = stored_problem("turboquant_k8v4", 64, "cpu")
+    arguments = problem.arguments
+
+    def decode(block_table, seq_lens):
+        return vllm.triton_turboquant_decode_attention(problem.query, problem.cache, block_table,
+                                                       seq_lens, problem.pi, problem.centroids, 0.125, **arguments)
+
+    exact = decode(problem.block_table, problem.seq_lens)
+    padding = torch.full((2, problem.block_table.shape[1]), 10**6, dtype=torch.int32)  # no such block
+    padded = decode(torch.cat([problem.block_table, padding]),
+                    torch.cat([problem.seq_lens, torch.tensor([7, 10**6], dtype=torch.int32)]))
+    assert torch.equal(padded, exact) and exact.abs().sum() > 0
+    with pytest.raises(vllm.VllmArgumentError) as refusal:
+        decode(problem.block_table[:2], problem.seq_lens)
+    message = str(refusal.value)
+    assert message.startswith("triton_turboquant_decode_attention: ") and "block_table has 2 rows" in message
+
+
 def test_decode_scores_with_pit_or_pi_transposed(device):
     """q @ PiT, with Pi.T when PiT is None: for a non-symmetric Pi the two spellings agree bit for bit,
     and the other convention (q @ Pi) decodes something else."""

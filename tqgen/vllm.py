@@ -274,6 +274,12 @@ def triton_turboquant_decode_attention(query, kv_cache, block_table, seq_lens, P
     out = _decode_output(output_buf, buf_holder, batch, num_q_heads, head_dim, query.dtype, device)
     if batch == 0:
         return out
+    # vLLM's kernel reads the first B rows of block_table and seq_lens: longer ones (padded for a CUDA graph)
+    # are cut to B; shorter ones are refused by the module.
+    if isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.shape[0] > batch:
+        block_table = block_table[:batch]
+    if isinstance(seq_lens, torch.Tensor) and seq_lens.dim() == 1 and seq_lens.shape[0] > batch:
+        seq_lens = seq_lens[:batch]
     group_size = num_q_heads // num_kv_heads
     context = block_table.shape[1] * block_size  # what the module's decode buckets by when not told
     num_splits = min(module.decode_launch(batch, num_kv_heads, group_size, context, device)[3], max_num_kv_splits)
