@@ -42,9 +42,11 @@ FLOAT_ARGS = ("score_scale",)
 
 # Self-contained on purpose (tools/ptx_probe.py has a similar compile helper): tools/migrate_tuned.py runs
 # this file inside checkouts of older commits, whose tools differ.
-def compile_kernel(kernel, constants, warps, stages, capability, source_type=ASTSource, **options):
+def compile_kernel(kernel, constants, warps, stages, capability, source_type=ASTSource,
+                   unaligned=("stride_cache_head", "stride_cache_pos"), **options):
     """Compile with a real launch's specializations: pointers 16-byte aligned, strides named stride_* multiples
-    of 16 except slots-cache head/position strides, every other argument an i32."""
+    of 16 except those in `unaligned` (a slots cache's head and position strides), every other argument an
+    i32."""
     signature, attributes = {}, {}
     for index, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -54,7 +56,7 @@ def compile_kernel(kernel, constants, warps, stages, capability, source_type=AST
             attributes[(index,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
-            if name.startswith("stride_") and name not in ("stride_cache_head", "stride_cache_pos"):
+            if name.startswith("stride_") and name not in unaligned:
                 attributes[(index,)] = [["tt.divisibility", 16]]
     source = source_type(kernel, signature, constants, attributes)
     target = GPUTarget("cuda", capability, 32)
@@ -134,12 +136,17 @@ def fingerprint(config_path, arch, ptx_dir=None, only=()):
     config = config_mod.resolve_arch(dataclass_arch(config_mod.load(config_path), arch))
     module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-fingerprint-"))
     capability = int(arch[2:])
+    # A planes cache's head stride is its page size, a multiple of 16 bytes for the shipped formats: launches
+    # specialize it so, and the cp.async ring's 16-byte copies compile only with it.
+    planes = module.CONFIG.get("cache_layout") == "planes" and module.PAGE_BYTES % 16 == 0
+    unaligned = ("stride_cache_pos",) if planes else ("stride_cache_head", "stride_cache_pos")
     result = {}
     for label, kernel, constants, warps, stages, source_type, options in specializations(module):
         if only and not label.startswith(tuple(only)):
             continue
         try:
-            compiled = compile_kernel(kernel, constants, warps, stages, capability, source_type, **options)
+            compiled = compile_kernel(kernel, constants, warps, stages, capability, source_type, unaligned,
+                                      **options)
         except Exception as exc:  # a launch the launchers never make, or a broken kernel: recorded, not fatal
             result[label] = f"error: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:120]}"
             continue
