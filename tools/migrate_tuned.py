@@ -70,6 +70,8 @@ def main() -> int:
                              "wrote them at REV (skips compiling REV again)")
     args = parser.parse_args()
 
+    import triton  # the fingerprints are compiled by this interpreter's triton (sys.executable)
+
     from tqgen import __version__, config as config_mod, render, tuned_files
     from tqgen.files import write_atomic
 
@@ -122,7 +124,7 @@ def main() -> int:
                 migrated={"from_kernel_hash": old_hash, "from_commit": commit,
                           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                           "evidence": f"PTX of all {len(decode)} decode kernel specializations identical "
-                                      f"(tools/kernel_fingerprint.py, sm90)"})
+                                      f"(tools/kernel_fingerprint.py, sm90, triton {triton.__version__})"})
             print(f"{tuned_path}: {len(decode)} decode kernels identical; kernel_hash {old_hash[:12]} -> "
                   f"{new_hash[:12]}" + (" (dry run)" if args.dry_run else ""))
             if not args.dry_run:
