@@ -84,12 +84,15 @@ def compile_stage1(module, block_kv: int, warps: int, stages: int, rotate_query:
     return _compile_sm90(kernel, constants, POINTER_TYPES, ("stride_",), warps, stages)
 
 
-def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_launch: bool = False, stages: int = 1):
+def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_launch: bool = False, stages: int = 1,
+                       rotate_query: bool = False):
     """The Gluon stage 1 (tq_decode_stage1_mma) with the constants decode gives it (one warp); stages >= 2
-    compiles its cp.async ring of that many tiles."""
+    compiles its cp.async ring of that many tiles; rotate_query the specialization that rotates the caller's
+    query itself (MSE keys under the config's Hadamard rotation)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    constants = module._mma_stage1_constants(block_kv, group_size, dependent_launch, stages)
+    extra = {"rotate_query": True} if rotate_query else {}
+    constants = module._mma_stage1_constants(block_kv, group_size, dependent_launch, stages, **extra)
     options = dict(module._mma_stage1_options(block_kv, group_size))
     return _compile_sm90(module.tq_decode_stage1_mma, constants, POINTER_TYPES, ("stride_",), options.pop("num_warps"), 1,
                          GluonASTSource, **options)
