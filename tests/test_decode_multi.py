@@ -260,19 +260,19 @@ def test_the_multi_token_path_is_outside_the_decode_hash(stem):
 
 
 # --- the Gluon kernel (planes) ---------------------------------------------------------------
-MMA_CASES = [  # (q_len, group size, num_warps, MMA_STAGE1, expect the Gluon kernel)
-    (4, 4, 1, True, True), (2, 8, 1, True, True), (3, 4, 1, True, True), (8, 2, 1, True, True),
-    (8, 4, 1, True, False), (4, 4, 2, True, False), (4, 4, 1, False, False),
+MMA_CASES = [  # (q_len, group size, num_warps, MMA_STAGE1, Gluon programs per sequence, or 0: the tl.dot kernel)
+    (4, 4, 1, True, 1), (2, 8, 1, True, 1), (3, 4, 1, True, 1), (8, 2, 1, True, 1), (8, 4, 1, True, 2),
+    (3, 8, 1, True, 2), (5, 6, 1, True, 0), (2, 16, 1, True, 2), (4, 4, 2, True, 0), (4, 4, 1, False, 0),
 ]
 
 
-@pytest.mark.parametrize("q_len,group_size,num_warps,switched_on,expect_mma", MMA_CASES)
+@pytest.mark.parametrize("q_len,group_size,num_warps,switched_on,token_blocks", MMA_CASES)
 @pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
 def test_decode_multi_takes_the_gluon_kernel_where_it_can(build_module, monkeypatch, preset, q_len, group_size,
-                                                           num_warps, switched_on, expect_mma):
+                                                           num_warps, switched_on, token_blocks):
     """Where decode would take the Gluon kernel (one warp, MMA_STAGE1, a GPU that can), decode_multi does
-    when q_len x group size fits its 16 MMA columns: one program per (sequence, KV head, split) reads the
-    tiles for every query token; else the tl.dot kernel. (fp8 keys: built for sm90, as arch auto resolves to
+    when its query tokens fit in _MULTI_MMA_MAX_TOKEN_BLOCKS (2) programs of at most 16 MMA columns (query
+    tokens x heads): each such program reads the tiles once for its tokens; else the tl.dot kernel. (fp8 keys: built for sm90, as arch auto resolves to
     sm80 without a GPU, which has no e4m3 converter and so no Gluon kernel for them.)"""
     config = make_config(preset, cache_layout="planes", **({"arch": "sm90"} if preset == "k8v4" else {}))
     module = build_module(config)
@@ -286,12 +286,14 @@ def test_decode_multi_takes_the_gluon_kernel_where_it_can(build_module, monkeypa
     batch, cache, query, kwargs = multi_inputs(module, config, [40, 40], device, q_len, group_size=group_size)
     module.decode_multi(query, cache, batch.block_table, batch.seq_lens, num_warps=num_warps, block_kv=32,
                         num_stages=2, num_splits=3, **kwargs)
-    assert (len(mma.launches), len(dot.launches)) == ((1, 0) if expect_mma else (0, 1))
-    if expect_mma:
+    assert (len(mma.launches), len(dot.launches)) == ((1, 0) if token_blocks else (0, 1))
+    if token_blocks:
         grid, _, launch = mma.launches[0]
-        assert grid == (2, 2, 3)
-        columns = q_len * group_size
-        assert (launch["Q_LEN"], launch["TOKENS_PER_PROGRAM"], launch["GROUP_SIZE"]) == (q_len, q_len, group_size)
+        assert grid == (2 * token_blocks, 2, 3)
+        tokens = -(-q_len // token_blocks)
+        columns = tokens * group_size
+        assert columns <= 16
+        assert (launch["Q_LEN"], launch["TOKENS_PER_PROGRAM"], launch["GROUP_SIZE"]) == (q_len, tokens, group_size)
         assert launch["BLOCK_H"] == max(8, 1 << (columns - 1).bit_length()) and launch["STAGES"] == 2
         assert launch["num_warps"] == 1 and launch["BLOCK_KV"] == 32
 
@@ -310,7 +312,7 @@ for preset, q_len, group_size, block_kv, stages in json.loads(sys.argv[1]):
     print(json.dumps(dict(mma=ptx.count("mma.sync.aligned.m16n8k16"), shared_bytes=compiled.metadata.shared)))
 """
 COMPILE_CASES = [("k3v4", 4, 4, 32, 2), ("k3v4", 2, 4, 64, 1), ("k3v3", 3, 4, 32, 2), ("k4v4", 8, 1, 64, 2),
-                 ("k8v4", 2, 8, 32, 1), ("k8v4", 4, 4, 64, 2)]
+                 ("k8v4", 2, 8, 32, 1), ("k8v4", 4, 4, 64, 2), ("k3v4", 8, 4, 32, 2)]
 
 
 def test_the_gluon_multi_token_kernel_compiles_for_sm90():
@@ -326,14 +328,15 @@ def test_the_gluon_multi_token_kernel_compiles_for_sm90():
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(reports) == len(COMPILE_CASES)
     for (preset, q_len, group_size, block_kv, stages), report in zip(COMPILE_CASES, reports):
-        column_blocks = max(8, 1 << (q_len * group_size - 1).bit_length()) // 8
+        columns = min(q_len, 16 // group_size) * group_size  # the tokens of one program (8 x 4: two programs)
+        column_blocks = max(8, 1 << (columns - 1).bit_length()) // 8
         assert report["mma"] == 2 * (block_kv // 16) * (128 // 16) * column_blocks, (preset, q_len, group_size)
         assert (report["shared_bytes"] > 0) == (stages > 1)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("q_len,group_size", [(2, 4), (4, 4), (3, 4), (2, 8), (8, 1), (5, 3)])
+@pytest.mark.parametrize("q_len,group_size", [(2, 4), (4, 4), (3, 4), (2, 8), (8, 1), (5, 3), (8, 4), (3, 8)])
 @pytest.mark.parametrize("block_kv,num_stages", [(32, 1), (32, 2), (64, 2), (32, 3)])
 @pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3", "k8v4"])
 def test_the_gluon_multi_token_kernel_on_the_gpu(build_module, monkeypatch, preset, q_len, group_size, block_kv,
@@ -342,7 +345,7 @@ def test_the_gluon_multi_token_kernel_on_the_gpu(build_module, monkeypatch, pres
     fall at 1, below a page boundary and past several splits, at every tile size and ring depth."""
     config = make_config(preset, cache_layout="planes")
     module = build_module(config)
-    spy = KernelRecorder(module.tq_decode_multi_stage1_mma)
+    spy = KernelRecorder(module.tq_decode_multi_stage1_mma)  # (8, 4), (3, 8): two programs per sequence
     monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", spy)
     for num_splits in (1, 5):
         check_decode_multi(module, config, "cuda", ragged_seq_lens(q_len) + [1000], q_len, group_size=group_size,
