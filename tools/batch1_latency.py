@@ -17,7 +17,6 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tqgen  # noqa: E402

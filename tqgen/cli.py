@@ -206,22 +206,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     rows, op_rows, vllm_rows = [], [], []
     for config in configs:
         module = emit.load(config, args.cache_dir)
-        if "decode" in args.ops:
+        # Each decode op over the decode shapes: (op, what times it, its rows, the end of its progress line).
+        decode_ops = (("decode", bench.bench_decode, rows, lambda row: row.launch),
+                      ("vllm-decode", bench.bench_vllm_decode, vllm_rows,
+                       lambda row: f"{row.head_major_cost:.2f}x position-major"))
+        for op, measure, op_decode_rows, detail in decode_ops:
+            if op not in args.ops:
+                continue
             for i, (batch, context) in enumerate(shapes, 1):
-                row = bench.bench_decode(module, config, batch, context, ceiling_gbps=ceiling,
-                                         num_q_heads=args.q_heads, num_kv_heads=args.kv_heads)
-                rows.append(row)
-                print(f"[{config.name} decode {i}/{len(shapes)}] batch {batch} context {context}: "
+                row = measure(module, config, batch, context, ceiling_gbps=ceiling, num_q_heads=args.q_heads,
+                              num_kv_heads=args.kv_heads)
+                op_decode_rows.append(row)
+                print(f"[{config.name} {op} {i}/{len(shapes)}] batch {batch} context {context}: "
                       f"{row.graph_us:.1f} us (graph), {row.ceiling_pct:.1f}% of ceiling, "
-                      f"{row.speedup_vs_sdpa:.2f}x SDPA, {row.launch}", flush=True)
-        if "vllm-decode" in args.ops:
-            for batch, context in shapes:
-                row = bench.bench_vllm_decode(module, config, batch, context, ceiling_gbps=ceiling,
-                                              num_q_heads=args.q_heads, num_kv_heads=args.kv_heads)
-                vllm_rows.append(row)
-                print(f"[{config.name} vllm-decode] batch {batch} context {context}: {row.graph_us:.1f} us (graph), "
-                      f"{row.ceiling_pct:.1f}% of ceiling, {row.speedup_vs_sdpa:.2f}x SDPA, "
-                      f"{row.head_major_cost:.2f}x position-major", flush=True)
+                      f"{row.speedup_vs_sdpa:.2f}x SDPA, {detail(row)}", flush=True)
         measured = []
         if "store" in args.ops:
             measured += [bench.bench_store(module, config, tokens, ceiling_gbps=ceiling, num_kv_heads=args.kv_heads)
