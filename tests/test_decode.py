@@ -236,7 +236,7 @@ def test_decode_rotates_the_query_in_stage1_or_in_its_own_kernel(device, build_m
     the two paths agree to the fp16 rounding of the prepared query."""
     config = planes_config("k3v4", 128)
     module = build_module(config)
-    limit = module._ROTATE_QUERY_MAX_BATCH  # 1 where the Gluon kernel takes larger batches
+    limit = module._ROTATE_QUERY_MAX_BATCH
     seq_lens = [40, 9, 17][:limit] if batch == "small" else [9, 1, 17] * (limit // 3 + 1)
     assert (len(seq_lens) <= limit) == (batch == "small")
     kwargs = codebook_kwargs(module, config, device)

@@ -120,7 +120,7 @@ def test_tile_layouts_give_each_lane_the_units_the_kernel_assumes(build_module, 
 
 # --- compiles: loads where used without shared memory, or the cp.async ring ------------
 RING_STAGES = sorted(set(tuner.SearchSpace().num_stages) - {1} | {2, 3})  # the ring depths the tuner may pick
-COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correction, stages)
+COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correction, stages[, rotate_query])
     *[(preset, 128, 16, kv, 4, True, stages) for preset in ("k3v4", "k3v3", "k8v4", "k4v4")
       for kv in sorted(set(tuner.SearchSpace().block_kv) | {32, 64}) for stages in [1] + RING_STAGES],
     ("k3v4", 128, 16, 64, 8, True, 1), ("k3v4", 128, 16, 32, 16, True, 1), ("k3v4", 128, 16, 32, 16, True, 2),
@@ -130,6 +130,9 @@ COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correct
     ("k3v3", 256, 16, 32, 4, True, 2), ("k3v3", 128, 16, 64, 16, True, 1), ("k8v4", 128, 16, 32, 16, True, 1),
     ("k8v4", 128, 16, 64, 1, True, 1), ("k8v4", 128, 16, 64, 1, True, 2), ("k8v4", 64, 8, 32, 4, True, 1),
     ("k8v4", 64, 8, 32, 4, True, 2), ("k8v4", 256, 16, 32, 4, True, 1), ("k8v4", 256, 16, 32, 4, True, 2),
+    # the query rotated in the kernel (Hadamard configs at head_dim 128), a dependent launch at group 1
+    ("k3v4", 128, 16, 64, 1, True, 2, True), ("k3v4", 128, 16, 32, 4, True, 1, True),
+    ("k4v4", 128, 16, 32, 16, True, 2, True), ("k3v3", 128, 16, 64, 8, True, 1, True),
 ]
 
 
@@ -142,13 +145,13 @@ import ptx_probe, tqgen
 from tqgen import config as config_mod
 presets, cases = json.loads(sys.argv[1])
 folder = tempfile.mkdtemp(prefix="tqgen-mma-")
-for preset, head_dim, page, block_kv, group_size, norm_correction, stages in cases:
+for preset, head_dim, page, block_kv, group_size, norm_correction, stages, *rotate in cases:
     fields = dict(presets[preset], head_dim=head_dim, block_size=page, cache_layout="planes", arch="sm90")
     if fields["key_format"] == "mse":
         fields["norm_correction"] = norm_correction
     module = tqgen.load(config_mod.from_mapping(fields), folder)
     compiled = ptx_probe.compile_stage1_mma(module, block_kv, group_size, dependent_launch=group_size == 1,
-                                           stages=stages)
+                                           stages=stages, rotate_query=bool(rotate and rotate[0]))
     ptx = compiled.asm["ptx"]
     copies = re.findall(r"cp[.]async[.]c[ag][.]shared[.]global [[][^]]*[]], [[][^]]*[]], (0x[0-9a-f]+)", ptx)
     print(json.dumps(dict(mma=ptx.count("mma.sync.aligned.m16n8k16"), shared_ops=ptx.count(".shared"),
@@ -176,37 +179,44 @@ def test_every_launch_compiles_for_sm90(compiled_cases, case):
     nothing for the norm correction ("planes" stores corrected norms). One stage uses no shared memory;
     the ring holds `stages` tiles of exactly the bytes a tile's tokens use, copied by cp.async as wide as
     each plane's alignment allows (16 bytes for every plane at head_dim 128 and 256)."""
-    preset, head_dim, page, block_kv, group_size, norm_correction, stages = case
+    preset, head_dim, page, block_kv, group_size, norm_correction, stages, *rotate = case
+    rotate = bool(rotate and rotate[0])
     report = compiled_cases[case]
     columns = max(8, 1 << (group_size - 1).bit_length()) // 8
     key_mmas = (block_kv // 16) * (head_dim // 16) * columns
     value_mmas = (head_dim // 16) * (block_kv // 16) * columns
     assert report["mma"] == key_mmas + value_mmas
+    if rotate:  # the rotated query goes to the MMA's operand layout through shared memory
+        assert report["shared_ops"] > 0 and report["shared_bytes"] > 0
     if stages == 1:
-        assert report["shared_ops"] == 0 and report["shared_bytes"] == 0 and report["copy_bytes"] == []
+        assert rotate or (report["shared_ops"] == 0 and report["shared_bytes"] == 0)
+        assert report["copy_bytes"] == []
     else:
         plan = Plan.from_config(mma_config(preset, head_dim, block_size=page))
-        assert report["shared_bytes"] == stages * block_kv * plan.layout.used_bytes
+        ring_bytes = stages * block_kv * plan.layout.used_bytes
+        # The conversion's scratch may share the ring's memory (it is dead before the loop) or lie beside it.
+        assert report["shared_bytes"] == ring_bytes if not rotate else report["shared_bytes"] >= ring_bytes
         assert report["copy_bytes"] == sorted({field.vector * field.unit_bytes for field in plan.ring_fields})
         if head_dim >= 128:
             assert report["copy_bytes"] == [16]
-    # A dependent launch of MSE configs waits on tq_prepare_query; fp8 keys' stage 1 comes first.
-    assert report["wait"] == (group_size == 1 and PRESETS[preset]["key_format"] == "mse")
+    # A dependent launch of MSE configs waits on tq_prepare_query; fp8 keys' stage 1 comes first, and so
+    # does a stage 1 that rotates the query itself.
+    assert report["wait"] == (group_size == 1 and PRESETS[preset]["key_format"] == "mse" and not rotate)
 
 
 # --- dispatch ---------------------------------------------------------------------
 @pytest.mark.parametrize("preset,case,expect_mma", [
-    ("k3v4", "batch_above_limit", True), ("k3v4", "batch_at_limit", False), ("k3v4", "random_rotation_at_limit", True),
+    ("k3v4", "batch_above_limit", True), ("k3v4", "batch_at_limit", True), ("k3v4", "random_rotation_at_limit", True),
     ("k3v4", "two_warps", False), ("k3v4", "group_32", False), ("k3v4", "switched_off", False),
-    ("k3v3", "batch_above_limit", True), ("k3v3", "batch_at_limit", False),
+    ("k3v3", "batch_above_limit", True), ("k3v3", "batch_at_limit", True),
     ("k8v4", "batch_one", True), ("k8v4", "two_warps", False), ("k8v4", "switched_off", False),
 ])
 def test_decode_takes_the_mma_kernel_where_it_can(build_module, monkeypatch, preset, case, expect_mma):
-    """Where the GPU can run it, decode takes the Gluon kernel: for MSE keys from _ROTATE_QUERY_MAX_BATCH + 1
-    sequences with the default rotation (at most that many, the tl.dot kernel rotates the query
-    itself) and at any batch with another rotation, for fp8 keys at any batch; never with more than
-    one warp, more than 16 query heads per KV head, or MMA_STAGE1 off. The launch gets the constants
-    of its BLOCK_KV."""
+    """Where the GPU can run it, decode takes the Gluon kernel at any batch: for MSE keys with the default
+    rotation up to _ROTATE_QUERY_MAX_BATCH sequences it rotates the query itself (ROTATE_QUERY, the
+    caller's query and its strides, no tq_prepare_query), above that or with another rotation it reads
+    tq_prepare_query's; never with more than one warp, more than 16 query heads per KV head, or
+    MMA_STAGE1 off. The launch gets the constants of its BLOCK_KV."""
     config = mma_config(preset)
     module = build_module(config)
     device = "cuda" if HAS_CUDA else "cpu"
@@ -218,9 +228,13 @@ def test_decode_takes_the_mma_kernel_where_it_can(build_module, monkeypatch, pre
         kwargs["rotation"] = torch.linalg.qr(torch.randn(128, 128, generator=torch.Generator().manual_seed(3)))[0].to(device)
     monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)  # a GPU that can, on any machine
     monkeypatch.setattr(module, "MMA_STAGE1", case != "switched_off")
-    mma, dot = KernelRecorder(), KernelRecorder(module.tq_decode_stage1)
+    mma, dot, prepare = KernelRecorder(), KernelRecorder(module.tq_decode_stage1), KernelRecorder()
     monkeypatch.setattr(module, "tq_decode_stage1_mma", mma)
     monkeypatch.setattr(module, "tq_decode_stage1", dot)
+    if hasattr(module, "tq_prepare_query"):
+        monkeypatch.setattr(module, "tq_prepare_query", prepare)
+    if expect_mma:
+        monkeypatch.setattr(module, "tq_decode_stage2", KernelRecorder())  # the recorded stage 1 wrote nothing
     batch = len(seq_lens)
     cache = module.make_cache(8 * batch, 2, device)
     table = torch.arange(4 * batch, dtype=torch.int32, device=device).view(batch, 4)
@@ -235,6 +249,46 @@ def test_decode_takes_the_mma_kernel_where_it_can(build_module, monkeypatch, pre
         assert {name: launch[name] for name in tiles} == tiles
         assert (launch["BLOCK_KV"], launch["BLOCK_H"], launch["TILE_PAGES"], launch["TILE_POSITIONS"], launch["num_warps"]) \
             == (64, 8, 4, 16, 1)
+        rotates = case == "batch_at_limit"
+        assert launch.get("ROTATE_QUERY", False) == rotates
+        assert (args[0] is query) == (rotates or preset == "k8v4")  # fp8 keys: always the caller's query
+        assert len(prepare.launches) == (0 if rotates or preset == "k8v4" else 1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
+def test_the_query_operand_order_is_a_bit_permutation(preset, head_dim):
+    """The head dims the key MMA's B-operand rows hold (plan.mma_query_dims, the kernel's _mma_query_dim) are
+    a permutation of the head dims; for MSE keys, gl.permute by plan.mma_query_bit_order of the query's
+    head-dim bits puts them in that order, as the kernel's in-register rotation does."""
+    plan = Plan.from_config(mma_config(preset, head_dim))
+    dims = plan.mma_query_dims
+    assert sorted(dims) == list(range(head_dim))
+    assert dims[:4] == [0, 1, 2 * head_dim // 8 if preset == "k3v4" else head_dim // 4, dims[2] + 1]
+    bits = head_dim.bit_length() - 1
+    order = plan.mma_query_bit_order
+    natural = torch.arange(head_dim).view(1, *[2] * bits)
+    assert torch.equal(natural.permute(*order).reshape(head_dim), torch.tensor(dims))
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group_size", [1, 4, 8, 16])
+@pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3"])
+def test_the_mma_kernel_rotates_the_query_itself(build_module, monkeypatch, preset, group_size, dtype):
+    """Up to _ROTATE_QUERY_MAX_BATCH sequences under the config's Hadamard rotation, the Gluon kernel rotates
+    the caller's query (any float dtype, strided) and matches the reference; tq_prepare_query never runs."""
+    config = mma_config(preset)
+    module = build_module(config)
+    spy = _spy(module, monkeypatch)
+    prepare = KernelRecorder()
+    monkeypatch.setattr(module, "tq_prepare_query", prepare)
+    for seq_lens in ([70], [1, 300, 17], [40] * module._ROTATE_QUERY_MAX_BATCH):
+        for block_kv, num_stages in ((32, 1), (64, 2)):
+            check_decode(module, config, "cuda", seq_lens, group_size=group_size, dtype=dtype, strided_query=True,
+                         block_kv=block_kv, num_warps=1, num_stages=num_stages, num_splits=3)
+    assert spy.launches and all(launch["ROTATE_QUERY"] for _, _, launch in spy.launches)
+    assert not prepare.launches
 
 
 # --- on the GPU ----------------------------------------------------------------------

@@ -2,10 +2,17 @@
 reference (one single-token decode per query token on the sequence cut to that token's limit), and the
 single-token decode it must equal at q_len 1. The CPU runs a subset; the GPU (`pytest -m gpu`) the matrix."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from conftest import DEVICES, HAS_CUDA, codebook_kwargs, make_config, replays_of_a_capture, stored_cache
+from conftest import (DEVICES, HAS_CUDA, KernelRecorder, codebook_kwargs, make_config, replays_of_a_capture,
+                      stored_cache)
 from tqgen import reference, render
 from tqgen.layout import Layout
 from tqgen.testing import DECODE_TOLERANCE, relative_error
@@ -242,10 +249,108 @@ def test_empty_batch(device, build_module):
 def test_the_multi_token_path_is_outside_the_decode_hash(stem):
     """The tuned launches are keyed on what _run_decode reaches: the multi-token kernel and launcher must
     not be among it (they would re-key every committed tuned file), and decode_multi must reach them."""
-    config = make_config(stem.split("-")[0], cache_layout="planes" if stem.endswith("planes") else "slots")
+    planes = stem.endswith("planes")  # built for sm90, where every preset has the Gluon kernels
+    config = make_config(stem.split("-")[0], **(dict(cache_layout="planes", arch="sm90") if planes else {}))
     source = render.render(config)
-    assert not {"tq_decode_multi_stage1", "_run_decode_multi", "decode_multi"} & set(render.decode_path(source))
-    assert {"tq_decode_multi_stage1", "tq_decode_stage2", "_run_decode"} <= set(render.decode_path(source, "decode_multi"))
+    multi_only = {"tq_decode_multi_stage1", "tq_decode_multi_stage1_mma", "_run_decode_multi", "decode_multi"}
+    assert not multi_only & set(render.decode_path(source))
+    reached = set(render.decode_path(source, "decode_multi"))
+    assert {"tq_decode_multi_stage1", "tq_decode_stage2", "_run_decode"} <= reached
+    assert ("tq_decode_multi_stage1_mma" in reached) == planes
+
+
+# --- the Gluon kernel (planes) ---------------------------------------------------------------
+MMA_CASES = [  # (q_len, group size, num_warps, MMA_STAGE1, Gluon programs per sequence, or 0: the tl.dot kernel)
+    (4, 4, 1, True, 1), (2, 8, 1, True, 1), (3, 4, 1, True, 1), (8, 2, 1, True, 1), (8, 4, 1, True, 2),
+    (3, 8, 1, True, 2), (5, 6, 1, True, 0), (2, 16, 1, True, 2), (4, 4, 2, True, 0), (4, 4, 1, False, 0),
+]
+
+
+@pytest.mark.parametrize("q_len,group_size,num_warps,switched_on,token_blocks", MMA_CASES)
+@pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
+def test_decode_multi_takes_the_gluon_kernel_where_it_can(build_module, monkeypatch, preset, q_len, group_size,
+                                                           num_warps, switched_on, token_blocks):
+    """Where decode would take the Gluon kernel (one warp, MMA_STAGE1, a GPU that can), decode_multi does
+    when its query tokens fit in _MULTI_MMA_MAX_TOKEN_BLOCKS (2) programs of at most 16 MMA columns (query
+    tokens x heads): each such program reads the tiles once for its tokens; else the tl.dot kernel. (fp8 keys: built for sm90, as arch auto resolves to
+    sm80 without a GPU, which has no e4m3 converter and so no Gluon kernel for them.)"""
+    config = make_config(preset, cache_layout="planes", **({"arch": "sm90"} if preset == "k8v4" else {}))
+    module = build_module(config)
+    device = "cuda" if HAS_CUDA else "cpu"
+    monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)  # a GPU that can, on any machine
+    monkeypatch.setattr(module, "MMA_STAGE1", switched_on)
+    mma, dot = KernelRecorder(), KernelRecorder()
+    monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", mma)
+    monkeypatch.setattr(module, "tq_decode_multi_stage1", dot)
+    monkeypatch.setattr(module, "tq_decode_stage2", KernelRecorder())
+    batch, cache, query, kwargs = multi_inputs(module, config, [40, 40], device, q_len, group_size=group_size)
+    module.decode_multi(query, cache, batch.block_table, batch.seq_lens, num_warps=num_warps, block_kv=32,
+                        num_stages=2, num_splits=3, **kwargs)
+    assert (len(mma.launches), len(dot.launches)) == ((1, 0) if token_blocks else (0, 1))
+    if token_blocks:
+        grid, _, launch = mma.launches[0]
+        assert grid == (2 * token_blocks, 2, 3)
+        tokens = -(-q_len // token_blocks)
+        columns = tokens * group_size
+        assert columns <= 16
+        assert (launch["Q_LEN"], launch["TOKENS_PER_PROGRAM"], launch["GROUP_SIZE"]) == (q_len, tokens, group_size)
+        assert launch["BLOCK_H"] == max(8, 1 << (columns - 1).bit_length()) and launch["STAGES"] == 2
+        assert launch["num_warps"] == 1 and launch["BLOCK_KV"] == 32
+
+
+_COMPILE_SCRIPT = """
+import json, os, sys, dataclasses, tempfile
+sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
+import ptx_probe, tqgen
+from tqgen import config as config_mod
+folder = tempfile.mkdtemp(prefix="tqgen-multi-mma-")
+for preset, q_len, group_size, block_kv, stages in json.loads(sys.argv[1]):
+    config = dataclasses.replace(config_mod.load(f"configs/{preset}-d128-planes.yaml"), arch="sm90")
+    compiled = ptx_probe.compile_multi_stage1_mma(tqgen.load(config, folder), block_kv, group_size, q_len,
+                                                  stages=stages)
+    ptx = compiled.asm["ptx"]
+    print(json.dumps(dict(mma=ptx.count("mma.sync.aligned.m16n8k16"), shared_bytes=compiled.metadata.shared)))
+"""
+COMPILE_CASES = [("k3v4", 4, 4, 32, 2), ("k3v4", 2, 4, 64, 1), ("k3v3", 3, 4, 32, 2), ("k4v4", 8, 1, 64, 2),
+                 ("k8v4", 2, 8, 32, 1), ("k8v4", 4, 4, 64, 2), ("k3v4", 8, 4, 32, 2)]
+
+
+def test_the_gluon_multi_token_kernel_compiles_for_sm90():
+    """Triton's compiler rejects what its interpreter accepts, and Gluon kernels never run on the CPU: each
+    case compiles offline, with one m16n8k16 MMA per 16 x 8 x 16 block of the scores and of the output
+    (the columns: q_len x group size rounded up to 8 or 16), and a ring of `stages` tiles when stages > 1."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(COMPILE_CASES)],
+                            cwd=Path(__file__).resolve().parent.parent, env=environment, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == len(COMPILE_CASES)
+    for (preset, q_len, group_size, block_kv, stages), report in zip(COMPILE_CASES, reports):
+        columns = min(q_len, 16 // group_size) * group_size  # the tokens of one program (8 x 4: two programs)
+        column_blocks = max(8, 1 << (columns - 1).bit_length()) // 8
+        assert report["mma"] == 2 * (block_kv // 16) * (128 // 16) * column_blocks, (preset, q_len, group_size)
+        assert (report["shared_bytes"] > 0) == (stages > 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("q_len,group_size", [(2, 4), (4, 4), (3, 4), (2, 8), (8, 1), (5, 3), (8, 4), (3, 8)])
+@pytest.mark.parametrize("block_kv,num_stages", [(32, 1), (32, 2), (64, 2), (32, 3)])
+@pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3", "k8v4"])
+def test_the_gluon_multi_token_kernel_on_the_gpu(build_module, monkeypatch, preset, q_len, group_size, block_kv,
+                                                 num_stages):
+    """The Gluon kernel runs (a spy says so) and matches the reference: ragged sequences whose causal limits
+    fall at 1, below a page boundary and past several splits, at every tile size and ring depth."""
+    config = make_config(preset, cache_layout="planes")
+    module = build_module(config)
+    spy = KernelRecorder(module.tq_decode_multi_stage1_mma)  # (8, 4), (3, 8): two programs per sequence
+    monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", spy)
+    for num_splits in (1, 5):
+        check_decode_multi(module, config, "cuda", ragged_seq_lens(q_len) + [1000], q_len, group_size=group_size,
+                           block_kv=block_kv, num_warps=1, num_stages=num_stages, num_splits=num_splits)
+    assert len(spy.launches) == 2
 
 
 @pytest.mark.gpu

@@ -209,13 +209,19 @@ def test_dependent_launches_wait_before_reading_what_the_previous_kernel_wrote(s
     mma = kernels.get("tq_decode_stage1_mma")  # the Gluon stage 1 (planes configs), the same way
     if mma is not None:
         mma = ast.get_source_segment(source, mma)
-        if mse:
-            assert mma.index("tl.extra.cuda.gdc_wait()") < mma.index("query = gl.load(")
+        if mse:  # where it reads tq_prepare_query's query (with ROTATE_QUERY it reads the caller's: no wait)
+            prepared = mma.index("query = gl.load(", mma.index("else:", mma.index("if ROTATE_QUERY:"))) \
+                if "if ROTATE_QUERY:" in mma else mma.index("query = gl.load(")
+            assert mma.index("tl.extra.cuda.gdc_wait()") < prepared
+            assert "gdc_wait" not in mma[mma.find("if ROTATE_QUERY:"):mma.find("else:", mma.find("if ROTATE_QUERY:"))]
         else:
             assert "gdc_wait" not in mma
         assert mma.rindex("mma_v2(") < mma.index("tl.extra.cuda.gdc_launch_dependents()") < mma.index("gl.store(")
     launcher = ast.get_source_segment(source, functions(source)["_run_decode"])  # decode() launches through it
+    rotating_mma = mma is not None and "if ROTATE_QUERY:" in mma  # launched in stream order when it rotates
     assert launcher.count("launch_pdl=dependent") == (2 if mse else 1) + (mma is not None and mse)
+    rotating_dot = "ROTATE_QUERY" in stage1  # the tl.dot kernel too (planes MSE keys under the Hadamard rotation)
+    assert launcher.count("launch_pdl=dependent and not rotate_in_stage1") == rotating_dot + rotating_mma
     if mse:  # stage 1 launches when tq_prepare_query ends: an earlier signal slowed it
         assert "gdc_" not in ast.get_source_segment(source, kernels["tq_prepare_query"])
 

@@ -108,6 +108,10 @@ def specializations(module):
                 warps = options.pop("num_warps")
                 specs.append((f"stage1_mma_kv{block_kv}_g{group_size}_dep{int(dependent)}_st{stages}",
                               module.tq_decode_stage1_mma, constants, warps, 1, GluonASTSource, options))
+                if "ROTATE_QUERY" in module.tq_decode_stage1_mma.arg_names and group_size in (1, 4):
+                    constants = module._mma_stage1_constants(block_kv, group_size, dependent, stages, rotate_query=True)
+                    specs.append((f"stage1_mma_kv{block_kv}_g{group_size}_dep{int(dependent)}_st{stages}_rot1",
+                                  module.tq_decode_stage1_mma, constants, warps, 1, GluonASTSource, options))
     for dependent in (False, True):
         specs.append((f"stage2_dep{int(dependent)}", module.tq_decode_stage2,
                       dict(BLOCK_SPLITS=8, DEPENDENT_LAUNCH=dependent), 4, 3, ASTSource, {}))

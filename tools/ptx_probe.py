@@ -84,15 +84,34 @@ def compile_stage1(module, block_kv: int, warps: int, stages: int, rotate_query:
     return _compile_sm90(kernel, constants, POINTER_TYPES, ("stride_",), warps, stages)
 
 
-def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_launch: bool = False, stages: int = 1):
+def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_launch: bool = False, stages: int = 1,
+                       rotate_query: bool = False):
     """The Gluon stage 1 (tq_decode_stage1_mma) with the constants decode gives it (one warp); stages >= 2
-    compiles its cp.async ring of that many tiles."""
+    compiles its cp.async ring of that many tiles; rotate_query the specialization that rotates the caller's
+    query itself (MSE keys under the config's Hadamard rotation)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    constants = module._mma_stage1_constants(block_kv, group_size, dependent_launch, stages)
+    extra = {"rotate_query": True} if rotate_query else {}
+    constants = module._mma_stage1_constants(block_kv, group_size, dependent_launch, stages, **extra)
     options = dict(module._mma_stage1_options(block_kv, group_size))
     return _compile_sm90(module.tq_decode_stage1_mma, constants, POINTER_TYPES, ("stride_",), options.pop("num_warps"), 1,
                          GluonASTSource, **options)
+
+
+def compile_multi_stage1_mma(module, block_kv: int, group_size: int, q_len: int, dependent_launch: bool = False,
+                             stages: int = 1):
+    """The Gluon stage 1 of decode_multi (tq_decode_multi_stage1_mma) with the constants decode_multi gives it:
+    the query tokens that fit in 16 MMA columns (query tokens x heads) per program."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    tokens = min(q_len, module._MULTI_MMA_COLUMNS // group_size)
+    columns = tokens * group_size
+    constants = dict(module._mma_stage1_constants(block_kv, group_size, dependent_launch, stages),
+                     BLOCK_H=max(8, triton.next_power_of_2(columns)), Q_LEN=q_len, TOKENS_PER_PROGRAM=tokens)
+    constants.pop("ROTATE_QUERY", None)  # the query comes from tq_prepare_query: the kernel has no such switch
+    options = dict(module._mma_stage1_options(block_kv, columns))
+    return _compile_sm90(module.tq_decode_multi_stage1_mma, constants, POINTER_TYPES, ("stride_",),
+                         options.pop("num_warps"), 1, GluonASTSource, **options)
 
 
 def compile_store(module, block_t: int, warps: int):

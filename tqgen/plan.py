@@ -161,6 +161,44 @@ class Plan:
     def stage1_rotates_query(self) -> bool:
         return self.hadamard_keys and self.planes and self.D == 128
 
+    # --- the Gluon stage 1's query operand -------------------------------------------------
+    def _mma_query_terms(self) -> list[tuple[int, int, int | None]]:
+        """(multiplier, shift, mask) terms of the head dim that row m of the Gluon key MMA's B operand holds:
+        sum of multiplier * ((m >> shift) & mask), mask None for no mask. Row m = 32 i + 8 p + 2 t + e (MSE
+        keys; fp8: m = 16 s + 8 h + 2 t + e) is what the A registers of lane 4 g + t hold
+        (_mma_tile_layouts): head dim 2 W t + 8 i + 2 p + e (fp8: KW t + 4 s + 2 h + e)."""
+        W = self.D // 8
+        if self.key_fp8:
+            return [(self.D // 4, 1, 3), (4, 4, None), (2, 3, 1), (1, 0, 1)]
+        return [(2 * W, 1, 3), (8, 5, None), (2, 3, 3), (1, 0, 1)]
+
+    def mma_query_dim(self, row: str) -> str:
+        """The expression of the head dim held by B-operand row `row` (a name in the template)."""
+        return " + ".join(f"{multiplier} * ({row} >> {shift})" if mask is None else
+                          (f"({row} & {mask})" if shift == 0 and multiplier == 1 else
+                           f"{multiplier} * (({row} >> {shift}) & {mask})")
+                          for multiplier, shift, mask in self._mma_query_terms())
+
+    @property
+    def mma_query_dims(self) -> list[int]:
+        """The head dim each B-operand row holds (mma_query_dim evaluated): a permutation of range(D)."""
+        return [sum(multiplier * ((m >> shift) if mask is None else (m >> shift) & mask)
+                    for multiplier, shift, mask in self._mma_query_terms()) for m in range(self.D)]
+
+    @property
+    def mma_query_bit_order(self) -> list[int]:
+        """For a query [rows, D] reshaped to [rows, 2, ..., 2] (axis 1 + j: head-dim bit n - 1 - j, n = log2 D),
+        the gl.permute order whose result, reshaped back to [rows, D], holds at column m the head dim that
+        B-operand row m holds: a rotated query in registers then takes the operand's order with no gather.
+        Needs D a power of two (the Walsh-Hadamard transform's)."""
+        dims, bits = self.mma_query_dims, self.D.bit_length() - 1
+        if 1 << bits != self.D or sorted(dims) != list(range(self.D)):
+            raise ValueError(f"head_dim {self.D}: the MMA query rows are not a bit permutation")
+        source_bit = [dims[1 << k].bit_length() - 1 for k in range(bits)]  # head-dim bit of row bit k
+        if any(dims[m] != sum(((m >> k) & 1) << source_bit[k] for k in range(bits)) for m in range(self.D)):
+            raise ValueError(f"head_dim {self.D}: the MMA query rows are not a bit permutation")
+        return [0] + [bits - source_bit[bits - 1 - j] for j in range(bits)]
+
     @property
     def min_capability(self) -> tuple[int, int]:
         return (8, 9) if (self.key_fp8 and self.fp8_hardware) else (8, 0)
