@@ -505,3 +505,27 @@ def test_stage1_variants_compile_and_keep_what_they_claim():
     assert report["shipped"]["mma"] == report["compute_only"]["mma"] > 0 and report["load_only"]["mma"] == 0
     loop_loads = report["shipped"]["loads"] - report["compute_only"]["loads"]  # compute_only: the prologue's only
     assert loop_loads > 0 and report["load_only"]["loads"] >= loop_loads
+
+
+_LOOP_LISTING = "\n".join(f"        /*{address:04x}*/                   {instruction} ;" for address, instruction in [
+    (0x0080, "MOV R1, R2"),
+    (0x0100, "ISETP.GE.AND P0, PT, R3, R4, PT"),
+    (0x0110, "@P0 BRA 0x0300"),  # leaves the loop: not a branch inside it
+    (0x0120, "LOP3.LUT R5, R5, 0xf, RZ, 0xc0, !PT"),
+    (0x0130, "LOP3.LUT R6, R6, 0xf, RZ, 0xc0, !PT"),
+    (0x0140, "@!P1 BRA 0x0180"),
+    (0x0150, "FMUL R7, R7, R8"),
+    (0x0160, "FMUL R9, R9, R8"),
+    (0x0170, "FMUL R10, R10, R8"),
+    (0x0180, "HMMA.16816.F32 R12, R16, R20, R12"),
+    (0x0190, "@P2 BRA 0x0100"),
+    (0x0300, "EXIT"),
+])
+
+
+def test_the_loop_mix_counts_the_longest_loop_and_what_its_forward_branches_skip():
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tools"))
+    import ptx_probe
+
+    assert ptx_probe.loop_mix(_LOOP_LISTING) == ("10 SASS instructions in the loop (forward branches in it skip 3): "
+                                                 "BRA 3, FMUL 3, LOP3 2, ISETP 1, HMMA 1")

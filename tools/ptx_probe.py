@@ -193,8 +193,15 @@ def disassemble(cubin: bytes) -> str:
 
 
 def sass_loop_mix(cubin: bytes) -> str:
-    """The opcode mix of the kernel's longest loop, from cuobjdump's SASS of the cubin triton built (sm90a)."""
-    sass = disassemble(cubin)
+    """The opcode mix of the kernel's longest loop, from cuobjdump's SASS of the cubin triton built (sm90a).
+    Forward branches inside the loop are listed with the instructions each can skip: the Gluon stage 1's
+    copies of the tile ahead (skipped only near a split's end) and its rescale of out^T (skipped unless the
+    running max moves, so most tiles skip it)."""
+    return loop_mix(disassemble(cubin))
+
+
+def loop_mix(sass: str) -> str:
+    """sass_loop_mix of a cuobjdump listing."""
     instructions = []  # (address, opcode, line)
     for line in sass.splitlines():
         found = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", line)
@@ -209,9 +216,16 @@ def sass_loop_mix(cubin: bytes) -> str:
                 loop = (start, address)
     if loop is None:
         return "no loop"
-    body = [opcode.split(".")[0] for address, opcode, _ in instructions if loop[0] <= address <= loop[1]]
+    inside = [(address, opcode, line) for address, opcode, line in instructions if loop[0] <= address <= loop[1]]
+    body = [opcode.split(".")[0] for _, opcode, _ in inside]
     mix = collections.Counter(body).most_common(12)
-    return f"{len(body)} SASS instructions in the loop: " + ", ".join(f"{op} {count}" for op, count in mix)
+    skips = []  # instructions jumped over by each predicated forward branch that lands inside the loop
+    for address, opcode, line in inside:
+        target = re.search(r"BRA\s+(?:`\()?\S*?0x([0-9a-f]+)", line) if opcode.startswith("BRA") else None
+        if target and address < int(target.group(1), 16) <= loop[1]:
+            skips.append(sum(1 for a, _, _ in inside if address < a < int(target.group(1), 16)))
+    branches = f" (forward branches in it skip {', '.join(map(str, skips))})" if skips else ""
+    return f"{len(body)} SASS instructions in the loop{branches}: " + ", ".join(f"{op} {count}" for op, count in mix)
 
 
 def compare_variants(config, names, block_kv, warps, stages, sass=False) -> None:
