@@ -4,7 +4,9 @@
 # table, printed last (with a PNG chart when matplotlib is installed).
 # The full grid of BENCHMARKS.md: TQGEN_BENCH_ARGS="--batch 1 8 32 64 128 --context 1024 4096 16384 65536".
 # Usage (on a CUDA machine, from the repository root): bash tools/run_gpu.sh [OUT_DIR]
-# TQGEN_GPU_STEPS picks steps (default "tests sanitize bench").
+# TQGEN_GPU_STEPS picks steps (default "tests sanitize bench"; "tune" re-tunes TQGEN_TUNE_CONFIGS, default the
+# four planes configs, as the committed planes files were tuned, and copies each tuned file to OUT_DIR/tuned
+# as soon as it is written: a call that runs out of time keeps the configs it finished).
 set -u
 out=${1:-${OUT:-/tmp/tqgen-gpu}}
 steps=${TQGEN_GPU_STEPS:-tests sanitize bench}
@@ -15,10 +17,20 @@ export PYTHONUNBUFFERED=1 TQGEN_CACHE_DIR="${TQGEN_CACHE_DIR:-/tmp/tqgen-gpu-mod
 python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}')"
 status=0
 if [[ $steps == *tests* ]]; then
-    # With pytest-xdist (the device image has it), 8 workers share the GPU: 564 tests in about 2 minutes.
+    # With pytest-xdist (the device image has it), 8 workers share the GPU: about 1000 tests in 4-6 minutes.
     workers=""; python3 -c "import xdist" 2>/dev/null && workers="-n 8"
     python3 -m pytest -m gpu -q -p no:cacheprovider $workers --durations=5 2>&1 | tee "$out/pytest-gpu.log" | tail -25
     rc=${PIPESTATUS[0]}; echo "gpu tests exit code: $rc"; (( rc )) && status=1
+fi
+if [[ $steps == *tune* ]]; then
+    mkdir -p "$out/tuned"
+    started=$(mktemp)  # outside OUT: the device tool returns few files
+    for config in ${TQGEN_TUNE_CONFIGS:-configs/k8v4-d128-planes.yaml configs/k4v4-d128-planes.yaml \
+                   configs/k3v4-d128-planes.yaml configs/k3v3-d128-planes.yaml}; do
+        python3 -m tqgen.cli tune "$config" --warps 1 --stages 1 2 --block-kv 32 64 --force >> "$out/tune.log" 2>&1
+        rc=$?; tail -1 "$out/tune.log"; echo "tune $config exit code: $rc"; (( rc )) && status=1
+        find tuned -name '*.json' -newer "$started" -exec cp {} "$out/tuned/" \;  # what this step wrote so far
+    done
 fi
 if [[ $steps == *sanitize* ]]; then
     timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_kernels.py \
