@@ -104,12 +104,8 @@ def compile_multi_stage1_mma(module, block_kv: int, group_size: int, q_len: int,
     the query tokens that fit in 16 MMA columns (query tokens x heads) per program."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    tokens = min(q_len, module._MULTI_MMA_COLUMNS // group_size)
-    columns = tokens * group_size
-    constants = dict(module._mma_stage1_constants(block_kv, group_size, dependent_launch, stages),
-                     BLOCK_H=max(8, triton.next_power_of_2(columns)), Q_LEN=q_len, TOKENS_PER_PROGRAM=tokens)
-    constants.pop("ROTATE_QUERY", None)  # the query comes from tq_prepare_query: the kernel has no such switch
-    options = dict(module._mma_stage1_options(block_kv, columns))
+    constants = module._multi_mma_constants(block_kv, group_size, q_len, dependent_launch, stages)
+    options = dict(module._mma_stage1_options(block_kv, constants["TOKENS_PER_PROGRAM"] * group_size))
     return _compile_sm90(module.tq_decode_multi_stage1_mma, constants, POINTER_TYPES, ("stride_",),
                          options.pop("num_warps"), 1, GluonASTSource, **options)
 
