@@ -254,6 +254,31 @@ def test_decode_rotates_the_query_in_stage1_or_in_its_own_kernel(device, build_m
         assert relative_error(in_stage1, out) < 5e-4
 
 
+@pytest.mark.parametrize("rotate_query,batch", [(True, "large"), (False, "small")])
+def test_rotate_query_overrides_the_batch_rule(device, build_module, rotate_query, batch, monkeypatch):
+    """decode's rotate_query (what the tuner times both ways) forces the choice: stage 1 rotates the query above
+    _ROTATE_QUERY_MAX_BATCH sequences too, or tq_prepare_query runs below it; either matches the reference."""
+    config = planes_config("k3v4", 128)
+    module = build_module(config)
+    limit = module._ROTATE_QUERY_MAX_BATCH
+    seq_lens = [40, 9, 17] if batch == "small" else [9, 1, 17] * (limit // 3 + 1)
+    assert (len(seq_lens) <= limit) == (batch == "small")
+    prepare = KernelRecorder(module.tq_prepare_query)
+    monkeypatch.setattr(module, "tq_prepare_query", prepare)
+    check_decode(module, config, device, seq_lens, rotate_query=rotate_query)
+    assert len(prepare.launches) == (0 if rotate_query else 1)
+
+
+def test_rotate_query_needs_the_configs_own_rotation(device, build_module):
+    config = planes_config("k3v4", 128)
+    module = build_module(config)
+    kwargs = codebook_kwargs(module, config, device)
+    kwargs["rotation"] = kwargs["rotation"].clone()  # equal values, another tensor: tq_prepare_query's to apply
+    with pytest.raises(module.LaunchError, match=r"rotate_query=True needs the config's own rotation"):
+        check_decode(module, config, device, [5], codebook=kwargs, rotate_query=True)
+    check_decode(module, config, device, [5], codebook=kwargs, rotate_query=False)
+
+
 @pytest.mark.parametrize("layout", ["slots", "planes"])
 def test_stage2_ignores_what_empty_splits_left_in_the_workspace(device, build_module, layout):
     """Stage 2 (both layouts) loads every split's partial output before it knows which splits are

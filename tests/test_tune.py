@@ -14,7 +14,7 @@ import pytest
 import torch
 import triton
 
-from conftest import INTERPRET, make_config
+from conftest import INTERPRET, KernelRecorder, check_decode, make_config
 from tqgen import emit, render, tuned_files, tuner
 from tqgen.buckets import bucket_bounds, bucket_key, default_buckets
 from tqgen.errors import TqgenError
@@ -280,6 +280,44 @@ def test_build_bakes_tuned_launches_and_decode_uses_them(setup, tmp_path, monkey
     assert module._tuned_buckets("cuda") == {}
 
 
+def test_a_rotating_config_times_both_ways_up_to_the_batch_rule_and_bakes_the_choice(tmp_path, monkeypatch):
+    """Where stage 1 can rotate the query (planes, MSE keys, the Hadamard rotation, head_dim 128), each bucket
+    up to _ROTATE_QUERY_MAX_BATCH sequences times every launch with rotate_query True and False (ids _rq, _pq);
+    the best's choice is baked as the launch's fifth field: query_rotated_in_stage1 (decode's choice when
+    rotate_query is not passed) follows it, decode_launch keeps to the four launch fields."""
+    config = make_config("k3v4", cache_layout="planes")
+    module = emit.load(config, tmp_path / "modules")
+    limit = module._ROTATE_QUERY_MAX_BATCH
+    assert tuner.rotations(module, limit) == (True, False) and tuner.rotations(module, limit + 1) == (None,)
+    space = tuner.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(1, 2))
+    path = tuner.tune(config, module, [(4, 1, 100)], space, root=tmp_path, fingerprint=FINGERPRINT, timer=cpu_timer,
+                      num_kv_heads=1, device="cpu", progress=lambda line: None)
+    document = json.loads(path.read_text())
+    entry = document["buckets"]["g4_b1_t256"]
+    assert set(entry["timings_us"]) == {f"kv32_w1_st1_sp{s}_{q}" for s in (1, 2) for q in ("rq", "pq")}
+    assert not entry["rejected"] and isinstance(entry["best"]["rotate_query"], bool)
+
+    entry["best"] = dict(block_kv=32, num_warps=1, num_stages=1, num_splits=2, rotate_query=False)  # against the rule
+    path.write_text(json.dumps(document))
+    baked_module = emit.load(config, tmp_path / "out", tmp_path)
+    assert baked_module.TUNED_LAUNCHES["Test GPU"]["buckets"]["g4_b1_t256"] == (32, 1, 1, 2, False)
+    monkeypatch.setattr(baked_module.torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    gpu = torch.device("cuda", 0)
+    assert baked_module.decode_launch(1, 1, 4, 256, gpu) == (32, 1, 1, 2)
+    assert baked_module.query_rotated_in_stage1(1, 4, 256, gpu) is False  # the tuned bucket's choice
+    assert baked_module.query_rotated_in_stage1(2, 4, 256, gpu) is True  # untuned: the batch rule
+
+
+def test_decode_follows_query_rotated_in_stage1_where_rotate_query_is_not_passed(monkeypatch, tmp_path):
+    config = make_config("k3v4", cache_layout="planes")
+    module = emit.load(config, tmp_path)
+    monkeypatch.setattr(module, "query_rotated_in_stage1", lambda batch, group_size, context, device: False)
+    prepare = KernelRecorder(module.tq_prepare_query)
+    monkeypatch.setattr(module, "tq_prepare_query", prepare)
+    check_decode(module, config, "cpu", [5])
+    assert len(prepare.launches) == 1  # at batch 1, where the batch rule alone rotates in stage 1
+
+
 def test_heuristic_uses_sm_count_batch_heads_and_context(setup):
     _, module = setup
     launch = module.heuristic_launch
@@ -306,7 +344,10 @@ def _heuristic_ratios(module, tables):
     ratios = []
     for name, bounds, entry in tables:
         launch = module.heuristic_launch(bounds["batch"][1], 8, bounds["context"][1], 132)
-        candidate = tuned_files.candidate_id(dict(zip(tuned_files.LAUNCH_FIELDS, launch)))
+        launch = dict(zip(tuned_files.LAUNCH_FIELDS, launch))
+        if any(name.endswith(("_rq", "_pq")) for name in entry["timings_us"]):  # timed both ways: the batch rule's
+            launch[tuned_files.ROTATE_FIELD] = bounds["batch"][1] <= module._ROTATE_QUERY_MAX_BATCH
+        candidate = tuned_files.candidate_id(launch)
         assert candidate in entry["timings_us"], f"{name}: {candidate} was not measured"
         ratios.append(entry["timings_us"][candidate] / entry["best_us"])
     return ratios

@@ -34,7 +34,7 @@ import torch
 from .config import Config
 from .files import write_atomic
 from .testing import codebook_kwargs, random_problem
-from .tuned_files import LAUNCH_FIELDS, candidate_id
+from .tuned_files import LAUNCH_FIELDS, ROTATE_FIELD, candidate_id
 
 SEED_LAUNCH = dict(num_splits=32, block_kv=32, num_warps=1, num_stages=1)
 VLLM_MAX_KV_SPLITS = 32  # the split cap vLLM's backend passes by default (tq_max_kv_splits_for_cuda_graph)
@@ -118,12 +118,16 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
     default_ms = graph_ms()
     seed_ms = graph_ms(**SEED_LAUNCH)
     group_size = num_q_heads // num_kv_heads
-    used = tuple(module.decode_launch(batch, num_kv_heads, group_size, context, cache.device))
-    heuristic = tuple(module.decode_launch_defaults(batch, num_kv_heads, group_size, context, cache.device))
+    used = dict(zip(LAUNCH_FIELDS, module.decode_launch(batch, num_kv_heads, group_size, context, cache.device)))
+    heuristic = dict(zip(LAUNCH_FIELDS, module.decode_launch_defaults(batch, num_kv_heads, group_size, context,
+                                                                     cache.device)))
+    if hasattr(module, "query_rotated_in_stage1"):  # where stage 1 rotates the query: the tuned choice, or the rule
+        used[ROTATE_FIELD] = module.query_rotated_in_stage1(batch, group_size, context, cache.device)
+        heuristic[ROTATE_FIELD] = batch <= module._ROTATE_QUERY_MAX_BATCH
     baked = module.TUNED_LAUNCHES.get(torch.cuda.get_device_name(cache.device), {}).get("buckets", {})
     tuned = baked.get(module.bucket_key(group_size, batch, context))
-    source = "tuned" if tuned is not None and tuple(tuned) == used else "heuristic"
-    heuristic_ms = graph_ms(**dict(zip(LAUNCH_FIELDS, heuristic)))
+    source = "tuned" if tuned is not None and tuple(tuned)[:4] == tuple(used[f] for f in LAUNCH_FIELDS) else "heuristic"
+    heuristic_ms = graph_ms(**heuristic)
 
     del cache
     sdpa_ms = _sdpa_ms(query, num_kv_heads, context)
@@ -135,7 +139,7 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
         gbps=gbps, ceiling_pct=100 * gbps / ceiling_gbps, sdpa_us=sdpa_ms * 1e3,
         speedup_vs_sdpa=sdpa_ms / best_ms, seed_launch_us=seed_ms * 1e3,
         speedup_vs_seed_launch=seed_ms / default_ms,
-        launch=f"{source} {candidate_id(dict(zip(LAUNCH_FIELDS, used)))}", heuristic_us=heuristic_ms * 1e3,
+        launch=f"{source} {candidate_id(used)}", heuristic_us=heuristic_ms * 1e3,
         speedup_vs_heuristic=heuristic_ms / default_ms,
     )
 

@@ -50,6 +50,9 @@ MATCHED_FIELDS = ("schema_version", "device_name", "compute_capability", "sm_cou
 # What a build (maybe on a machine without that GPU) can check: the kernels are the tuned ones.
 SOFTWARE_FIELDS = ("schema_version", "config_hash", "kernel_hash", "tqgen_version")
 LAUNCH_FIELDS = ("block_kv", "num_warps", "num_stages", "num_splits")
+# A launch's optional fifth field, where stage 1 can rotate the query itself (decode's rotate_query): true
+# where it did, false where tq_prepare_query did first. Absent, decode follows its own rule.
+ROTATE_FIELD = "rotate_query"
 LOCK_TIMEOUT_S = 60.0
 
 
@@ -93,7 +96,16 @@ def tuned_path(root: str | os.PathLike, device_name: str, config: Config) -> Pat
 
 
 def candidate_id(launch: dict[str, int]) -> str:
-    return "kv{block_kv}_w{num_warps}_st{num_stages}_sp{num_splits}".format(**launch)
+    """kv64_w1_st2_sp16, with _rq (stage 1 rotates the query) or _pq (tq_prepare_query first) where the
+    launch says which."""
+    name = "kv{block_kv}_w{num_warps}_st{num_stages}_sp{num_splits}".format(**launch)
+    rotate = launch.get(ROTATE_FIELD)
+    return name if rotate is None else name + ("_rq" if rotate else "_pq")
+
+
+def baked_launch(best: dict) -> tuple:
+    """A bucket's best launch as a module bakes it: the LAUNCH_FIELDS, then the ROTATE_FIELD if it has one."""
+    return tuple(best[f] for f in LAUNCH_FIELDS) + ((best[ROTATE_FIELD],) if ROTATE_FIELD in best else ())
 
 
 class Unusable(Exception):
@@ -132,7 +144,8 @@ def _read_document(path: Path, expected: dict[str, Any], fields: tuple[str, ...]
         raise Unusable(f"{path}: tuned for another setup ({'; '.join(differing)})")
     for key, entry in document["buckets"].items():
         best = entry.get("best") if isinstance(entry, dict) else None
-        if not (isinstance(best, dict) and all(isinstance(best.get(f), int) for f in LAUNCH_FIELDS)):
+        if not (isinstance(best, dict) and all(isinstance(best.get(f), int) for f in LAUNCH_FIELDS)
+                and isinstance(best.get(ROTATE_FIELD, False), bool)):
             raise Unusable(f"{path}: bucket {key!r} has no valid 'best' launch")
     return document
 
@@ -221,6 +234,6 @@ def baked_launches(root: Path, config: Config, warn) -> dict[str, dict]:
         baked[metadata["device_name"]] = {
             "triton_version": metadata["triton_version"],
             "source": f"{device_dir.name}/{path.name} ({str(metadata.get('date', ''))[:10]})",
-            "buckets": {key: tuple(entry["best"][f] for f in LAUNCH_FIELDS) for key, entry in buckets.items()},
+            "buckets": {key: baked_launch(entry["best"]) for key, entry in buckets.items()},
         }
     return baked

@@ -46,9 +46,21 @@ class SearchSpace:
     num_stages: tuple[int, ...] = (1, 2)
     num_splits: tuple[int, ...] = (4, 8, 16, 32, 64)
 
-    def candidates(self) -> list[dict[str, int]]:
-        return [dict(zip(tuned_files.LAUNCH_FIELDS, values))
-                for values in itertools.product(self.block_kv, self.num_warps, self.num_stages, self.num_splits)]
+    def candidates(self, rotations: tuple = (None,)) -> list[dict]:
+        """Every launch of the space, each once per entry of rotations (True, False: with decode's
+        rotate_query set so; None: without it)."""
+        launches = [dict(zip(tuned_files.LAUNCH_FIELDS, values))
+                    for values in itertools.product(self.block_kv, self.num_warps, self.num_stages, self.num_splits)]
+        return [launch if rotate is None else {**launch, tuned_files.ROTATE_FIELD: rotate}
+                for rotate in rotations for launch in launches]
+
+
+def rotations(module: ModuleType, batch: int) -> tuple:
+    """Where decode may rotate the query in stage 1 (modules with query_rotated_in_stage1, up to their
+    _ROTATE_QUERY_MAX_BATCH sequences), both ways are timed; elsewhere decode has one way."""
+    if hasattr(module, "query_rotated_in_stage1") and batch <= module._ROTATE_QUERY_MAX_BATCH:
+        return (True, False)
+    return (None,)
 
 
 def cuda_graph_timer(fn: Callable[[], object]) -> float:
@@ -79,7 +91,7 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
     out = torch.empty_like(problem["query"])
     workspace = module.DecodeWorkspace(batch, problem["query"].shape[1], max(space.num_splits), device)
     timings, rejected = {}, {}
-    launches = {tuned_files.candidate_id(launch): launch for launch in space.candidates()}
+    launches = {tuned_files.candidate_id(launch): launch for launch in space.candidates(rotations(module, batch))}
     for name, launch in launches.items():
         try:
             got = module.decode(check["query"], check["cache"], check["block_table"], check["seq_lens"],
