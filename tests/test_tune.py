@@ -306,6 +306,7 @@ def test_a_rotating_config_times_both_ways_up_to_the_batch_rule_and_bakes_the_ch
     assert baked_module.decode_launch(1, 1, 4, 256, gpu) == (32, 1, 1, 2)
     assert baked_module.query_rotated_in_stage1(1, 4, 256, gpu) is False  # the tuned bucket's choice
     assert baked_module.query_rotated_in_stage1(2, 4, 256, gpu) is True  # untuned: the batch rule
+    assert baked_module.query_rotated_in_stage1(1, 4, 256, gpu, tuned=False) is True  # the heuristic's choice
 
 
 def test_decode_follows_query_rotated_in_stage1_where_rotate_query_is_not_passed(monkeypatch, tmp_path):
@@ -346,7 +347,8 @@ def _heuristic_ratios(module, tables):
         launch = module.heuristic_launch(bounds["batch"][1], 8, bounds["context"][1], 132)
         launch = dict(zip(tuned_files.LAUNCH_FIELDS, launch))
         if any(name.endswith(("_rq", "_pq")) for name in entry["timings_us"]):  # timed both ways: the batch rule's
-            launch[tuned_files.ROTATE_FIELD] = bounds["batch"][1] <= module._ROTATE_QUERY_MAX_BATCH
+            launch[tuned_files.ROTATE_FIELD] = module.query_rotated_in_stage1(bounds["batch"][1], 4, bounds["context"][1],
+                                                                              "cpu", tuned=False)
         candidate = tuned_files.candidate_id(launch)
         assert candidate in entry["timings_us"], f"{name}: {candidate} was not measured"
         ratios.append(entry["timings_us"][candidate] / entry["best_us"])

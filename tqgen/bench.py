@@ -123,7 +123,7 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
                                                                      cache.device)))
     if hasattr(module, "query_rotated_in_stage1"):  # where stage 1 rotates the query: the tuned choice, or the rule
         used[ROTATE_FIELD] = module.query_rotated_in_stage1(batch, group_size, context, cache.device)
-        heuristic[ROTATE_FIELD] = batch <= module._ROTATE_QUERY_MAX_BATCH
+        heuristic[ROTATE_FIELD] = module.query_rotated_in_stage1(batch, group_size, context, cache.device, tuned=False)
     baked = module.TUNED_LAUNCHES.get(torch.cuda.get_device_name(cache.device), {}).get("buckets", {})
     tuned = baked.get(module.bucket_key(group_size, batch, context))
     source = "tuned" if tuned is not None and tuple(tuned)[:4] == tuple(used[f] for f in LAUNCH_FIELDS) else "heuristic"

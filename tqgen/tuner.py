@@ -56,9 +56,9 @@ class SearchSpace:
 
 
 def rotations(module: ModuleType, batch: int) -> tuple:
-    """Where decode may rotate the query in stage 1 (modules with query_rotated_in_stage1, up to their
+    """Where the heuristic has stage 1 rotate the query (modules with query_rotated_in_stage1, up to their
     _ROTATE_QUERY_MAX_BATCH sequences), both ways are timed; elsewhere decode has one way."""
-    if hasattr(module, "query_rotated_in_stage1") and batch <= module._ROTATE_QUERY_MAX_BATCH:
+    if hasattr(module, "query_rotated_in_stage1") and module.query_rotated_in_stage1(batch, 1, 0, "cpu", tuned=False):
         return (True, False)
     return (None,)
 
