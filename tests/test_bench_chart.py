@@ -37,14 +37,14 @@ def test_table_has_every_row_and_column(tmp_path):
 
 
 def test_vllm_decode_rows_make_a_table_of_their_own(tmp_path):
-    rows = [bench.VllmDecodeRow(config="k3v4-d128", batch=32, context=8192, graph_us=50.0, gbps=2000.0,
-                                ceiling_pct=47.6, sdpa_us=150.0, speedup_vs_sdpa=3.0, position_major_us=45.0,
-                                head_major_cost=1.11)]
+    rows = [bench.VllmDecodeRow(config="k3v4-d128", layout="planes", batch=32, context=8192, graph_us=50.0, gbps=2000.0,
+                                ceiling_pct=47.6, sdpa_us=150.0, speedup_vs_sdpa=3.0, module_us=45.0,
+                                module_cost=1.11)]
     table = bench.format_table([], 4200.0, (), rows)
     assert "head-major cache" in table
-    assert "| k3v4-d128 | 32 | 8192 | 50.0 | 2000 | 47.6 | 150.0 | 3.00 | 45.0 | 1.11 |" in table
+    assert "| k3v4-d128 | planes | 32 | 8192 | 50.0 | 2000 | 47.6 | 150.0 | 3.00 | 45.0 | 1.11 |" in table
     document = bench.payload([], 4200.0, {}, (), rows)
-    assert document["vllm_rows"][0]["head_major_cost"] == 1.11
+    assert document["vllm_rows"][0]["module_cost"] == 1.11
 
 
 def test_json_round_trips(tmp_path):

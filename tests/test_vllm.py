@@ -499,14 +499,16 @@ def test_store_and_dequantize_refuse_in_one_line():
 # --- GPU: CUDA graphs with vLLM's workspace buffers -----------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("layout", vllm.CACHE_LAYOUTS)
 @pytest.mark.parametrize("max_splits", [32, 1])
 @pytest.mark.parametrize("cache_dtype", ["turboquant_k3v4_nc", "turboquant_k8v4"])
-def test_cuda_graph_of_store_and_decode_with_vllms_buffers(cache_dtype, max_splits):
+def test_cuda_graph_of_store_and_decode_with_vllms_buffers(cache_dtype, max_splits, layout, monkeypatch):
     """vLLM's decode step captured once: store the new tokens, decode into the workspace's buffers.
     Replayed with new keys, queries and lengths, it matches the reference; buf_holder gets nothing
     (the buffers fit). At max_num_kv_splits 1 the rotated query does not fit in mid_o_buf and is
     allocated inside the capture, from the graph's pool."""
     device, head_dim, block_size, batch, num_kv_heads, group_size = "cuda", 128, 16, 4, 2, 4
+    use_layout(monkeypatch, layout)
     arguments = vllm.preset_arguments(cache_dtype, head_dim)
     pi, centroids = (t.to(device) for t in codebook_of(cache_dtype, head_dim, "hadamard"))
     midpoints = (centroids[1:] + centroids[:-1]) / 2
@@ -558,7 +560,128 @@ def test_cuda_graph_of_store_and_decode_with_vllms_buffers(cache_dtype, max_spli
         seq_lens.copy_(lengths_t)
         graph.replay()
         torch.cuda.synchronize()
-        config = make_config(TQGEN_PRESET[cache_dtype], head_dim=head_dim)
-        want = reference_decode(config, query.cpu(), cache.cpu(), block_table.cpu(), seq_lens.cpu(), pi.cpu(),
-                                centroids.cpu(), head_dim**-0.5, arguments["key_fp8"])
+        planes = layout == "planes"
+        config = make_config(TQGEN_PRESET[cache_dtype], head_dim=head_dim, cache_layout=layout)
+        want = reference_decode(config, query.cpu(), pages_of(cache).cpu() if planes else cache.cpu(),
+                                block_table.cpu(), seq_lens.cpu(), pi.cpu(), centroids.cpu(), head_dim**-0.5,
+                                arguments["key_fp8"])
         assert relative_error(output_buf.cpu(), want) < DECODE_TOLERANCE[torch.float16]
+
+
+# --- the planes layout in vLLM's allocation -----------------------------------------------------------
+def use_layout(monkeypatch, layout):
+    """The drop-ins in a cache layout, as a fresh process would be: no module loaded yet."""
+    monkeypatch.setattr(vllm, "_modules", {})
+    monkeypatch.setattr(vllm, "_modules_by_config", {})
+    monkeypatch.setattr(vllm, "_layout", None)
+    monkeypatch.setenv(vllm.LAYOUT_VARIABLE, layout)
+
+
+def pages_of(cache):
+    """vLLM's [num_blocks, block_size, Hk, slot] view of its head-major allocation as planes pages
+    [num_blocks, Hk, block_size * slot] (a view of the same bytes)."""
+    num_blocks, block_size, num_kv_heads, slot_bytes = cache.shape
+    return cache.transpose(1, 2).reshape(num_blocks, num_kv_heads, block_size * slot_bytes)
+
+
+PLANES_CPU_CASES = [("turboquant_k3v4_nc", 128, 16, 4), ("turboquant_k8v4", 64, 32, 1)]
+PLANES_GPU_CASES = ([(p, d, 16, 4) for p in vllm.VLLM_PRESETS for d in (64, 128, 256)]
+                    + [(p, 128, b, g) for p in ("turboquant_3bit_nc", "turboquant_k8v4") for b in (32, 64, 128)
+                       for g in (1, 6, 8)])
+PLANES_CASES = ([pytest.param("cpu", *c, marks=CPU, id="cpu-" + "-".join(map(str, c))) for c in PLANES_CPU_CASES]
+                + [pytest.param("cuda", *c, marks=GPU, id="cuda-" + "-".join(map(str, c))) for c in PLANES_GPU_CASES])
+
+
+@pytest.mark.parametrize("device,cache_dtype,head_dim,block_size,group_size", PLANES_CASES)
+def test_planes_layout_in_vllms_allocation(device, cache_dtype, head_dim, block_size, group_size, monkeypatch):
+    """TQGEN_VLLM_CACHE_LAYOUT=planes: the store writes, into each (block, KV head) page of vLLM's head-major
+    allocation, the planes page of docs/format.md's slots (norms corrected) and nothing else; decode and the
+    continuation prefill's dequantize read it as the reference does, from the drop-in store's cache and
+    from one built here."""
+    use_layout(monkeypatch, "planes")
+    arguments = vllm.preset_arguments(cache_dtype, head_dim)
+    key_fp8, num_kv_heads = arguments["key_fp8"], 2
+    slot_bytes = vllm.slot_size_aligned(cache_dtype, head_dim)
+    config = make_config(TQGEN_PRESET[cache_dtype], head_dim=head_dim, block_size=block_size, cache_layout="planes")
+    layout = Layout.from_config(config)
+    pi, centroids = codebook_of(cache_dtype, head_dim, "hadamard")
+    key, value, block_table, seq_lens, slot_mapping, num_blocks = ragged_batch(
+        block_size, num_kv_heads, head_dim, [block_size + 3, 0, 5], key_fp8)
+    cache = vllm_cache(num_blocks, block_size, num_kv_heads, slot_bytes, "head_major", device)
+    vllm.triton_turboquant_store(key.to(device), value.to(device), cache, slot_mapping.to(device), pi.to(device),
+                                 ((centroids[:-1] + centroids[1:]) / 2).to(device), arguments["mse_bits"],
+                                 arguments["key_packed_size"], arguments["value_quant_bits"], key_fp8=key_fp8)
+
+    # format.md's slots of the stored tokens, norms corrected, over the sentinel pages, as planes pages.
+    built_slots = reference.as_slots(layout, pages_of(vllm_cache(num_blocks, block_size, num_kv_heads, slot_bytes,
+                                                                 "head_major", "cpu")))
+    written = slot_mapping >= 0
+    mapping = slot_mapping[written].long()
+    slots = format_md_slots(key, value, pi, centroids, 8 if key_fp8 else arguments["mse_bits"],
+                            arguments["value_quant_bits"], slot_bytes)[written]
+    built_slots[mapping // block_size, mapping % block_size] = reference.corrected_key_norms(layout, slots, centroids)
+    built = reference.slots_to_pages(layout, built_slots)
+    stored = pages_of(cache).cpu()
+    assert store_differences(config, stored, built, key.float(), slot_mapping, pi, centroids) == 0
+
+    built_cache = torch.empty_like(cache)
+    pages_of(built_cache).copy_(built.to(device))
+    query = torch.randn(len(seq_lens), num_kv_heads * group_size, head_dim,
+                        generator=torch.Generator().manual_seed(7)).half()
+    scale = head_dim**-0.5
+    for source, kv_cache in (("the drop-in store", cache), ("format.md", built_cache)):
+        out = vllm.triton_turboquant_decode_attention(
+            query.to(device), kv_cache, block_table.to(device), seq_lens.to(device), pi.to(device),
+            centroids.to(device), scale, PiT=pi.to(device), **arguments)
+        want = reference_decode(config, query, pages_of(kv_cache).cpu(), block_table, seq_lens, pi, centroids, scale,
+                                key_fp8)
+        assert torch.all(out[1] == 0), f"seq_len 0 on a cache from {source}"
+        error = relative_error(out.cpu(), want)
+        assert error < DECODE_TOLERANCE[torch.float16], f"relative error {error:.2e} on a cache from {source}"
+
+    length = block_size + 3  # the first sequence, through its own row of the block table
+    k_out = torch.empty(1, num_kv_heads, length, head_dim, dtype=torch.float16, device=device)
+    v_out = torch.empty_like(k_out)
+    vllm._tq_full_dequant_kv[(length, num_kv_heads)](
+        cache, block_table[:1].to(device), centroids.to(device), k_out, v_out, *k_out.stride()[:3],
+        *v_out.stride()[:3], *cache.stride()[:3], block_table.stride(0), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        NUM_KV_HEADS=num_kv_heads, MSE_BYTES=head_dim if key_fp8 else math.ceil(head_dim * arguments["mse_bits"] / 8),
+        KPS=arguments["key_packed_size"], VQB=arguments["value_quant_bits"],
+        VAL_DATA_BYTES=math.ceil(head_dim * arguments["value_quant_bits"] / 8), MSE_BITS=arguments["mse_bits"],
+        KEY_FP8=int(key_fp8), BLOCK_D=head_dim, NORM_CORRECTION=int(arguments["norm_correction"]))
+    want_keys, want_values = reference.dequantize(layout, stored, block_table[:1], seq_lens[:1],
+                                                  None if key_fp8 else pi, None if key_fp8 else centroids)
+    keys = k_out[0].float().cpu()
+    if not key_fp8:
+        keys = keys @ pi  # the backend multiplies the rotated keys by Pi
+    assert relative_error(keys, want_keys[0]) < 2e-3
+    assert relative_error(v_out[0].float().cpu(), want_values[0]) < 1e-3
+
+
+@pytest.mark.skipif(not INTERPRET, reason="a CPU test")
+def test_planes_layout_refusals_in_one_line(monkeypatch):
+    """What the planes layout cannot hold is refused naming it: a position-major cache, MSE keys without norm
+    correction, a codebook other than the default, a bad layout name, and a change of layout after a call."""
+    use_layout(monkeypatch, "planes")
+    p = stored_problem("turboquant_4bit_nc", 64, "cpu", seq_lens=(5,))
+    common = (p.query, p.cache, p.block_table, p.seq_lens, p.pi, p.centroids, 0.125)
+    arguments = p.arguments
+
+    def refused(match, *args, **changes):
+        with pytest.raises(vllm.VllmArgumentError, match=match) as refusal:
+            vllm.triton_turboquant_decode_attention(*(args or common), **dict(arguments, **changes))
+        assert "\n" not in str(refusal.value)
+
+    position_major = p.cache.contiguous()  # [num_blocks, block_size, Hk, slot] in position order
+    refused("needs vLLM's head-major cache", p.query, position_major, *common[2:])
+    refused("norm_correction=False", norm_correction=False)
+    refused("centroids differ from the default", *common[:5], p.centroids * 1.01, 0.125)
+    with pytest.raises(vllm.VllmArgumentError, match="midpoints differ from the default"):
+        vllm.triton_turboquant_store(p.key[:1], p.value[:1], p.cache, torch.zeros(1, dtype=torch.int32), p.pi,
+                                     torch.linspace(-0.2, 0.2, 15), 4, 34, 4)
+    with pytest.raises(vllm.VllmArgumentError, match="the cache layout is 'planes' since the first call"):
+        vllm.set_cache_layout("slots")
+    vllm.set_cache_layout("planes")  # the layout in use: accepted
+    use_layout(monkeypatch, "pages")
+    with pytest.raises(vllm.VllmArgumentError, match="TQGEN_VLLM_CACHE_LAYOUT='pages' is not one of slots, planes"):
+        vllm.cache_layout()

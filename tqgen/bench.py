@@ -74,6 +74,7 @@ class OpRow:
 class VllmDecodeRow:
     """The drop-in decode (tqgen.vllm) on vLLM's head-major cache, CUDA-graph replay."""
     config: str
+    layout: str  # tqgen.vllm's cache layout: the config's
     batch: int
     context: int
     graph_us: float
@@ -81,8 +82,8 @@ class VllmDecodeRow:
     ceiling_pct: float
     sdpa_us: float
     speedup_vs_sdpa: float
-    position_major_us: float  # the module's decode on the same bytes position-major, the same split count
-    head_major_cost: float  # graph_us / position_major_us
+    module_us: float  # the module's own decode of the same bytes (slots: in position-major order), same splits
+    module_cost: float  # graph_us / module_us: what the drop-in and vLLM's head-major order cost
 
 
 def copy_ceiling_gbps(device="cuda", nbytes: int = 2 << 30) -> float:
@@ -160,9 +161,10 @@ def _sdpa_ms(query: torch.Tensor, num_kv_heads: int, context: int) -> float:
 def bench_vllm_decode(module: ModuleType, config: Config, batch: int, context: int, *, ceiling_gbps: float,
                       num_q_heads: int = 32, num_kv_heads: int = 8, max_num_kv_splits: int = VLLM_MAX_KV_SPLITS,
                       device="cuda") -> VllmDecodeRow:
-    """tqgen.vllm's decode as vLLM's backend calls it: the cache allocated head-major
-    (num_blocks, num_kv_heads, block_size, slot) and passed transposed, the workspace's mid_o_buf,
-    output_buf and lse_buf, the config's rotation and centroids."""
+    """tqgen.vllm's decode as vLLM's backend calls it, in the config's cache layout: the cache allocated
+    head-major (num_blocks, num_kv_heads, block_size, slot) and passed transposed, the workspace's mid_o_buf,
+    output_buf and lse_buf, the config's rotation and centroids; beside it the module's own decode of the
+    same bytes (slots: copied into position-major order; planes: the allocation's pages themselves)."""
     import triton
 
     from . import vllm
@@ -170,9 +172,13 @@ def bench_vllm_decode(module: ModuleType, config: Config, batch: int, context: i
     arguments = vllm.format_arguments(config.key_bits, config.value_bits, config.norm_correction, config.head_dim)
     problem = random_problem(module, config, batch, context, num_q_heads, num_kv_heads, device)
     cache, block_table, seq_lens, query = (problem[k] for k in ("cache", "block_table", "seq_lens", "query"))
-    head_major = torch.empty(cache.shape[0], num_kv_heads, config.block_size, cache.shape[3], dtype=torch.uint8,
-                             device=device).transpose(1, 2)
-    head_major.copy_(cache)
+    slot_bytes = module.SLOT_BYTES
+    if config.cache_layout == "planes":  # the pages [num_blocks, Hk, block_size * slot] are the allocation
+        head_major = cache.view(cache.shape[0], num_kv_heads, config.block_size, slot_bytes).transpose(1, 2)
+    else:
+        head_major = torch.empty(cache.shape[0], num_kv_heads, config.block_size, slot_bytes, dtype=torch.uint8,
+                                 device=device).transpose(1, 2)
+        head_major.copy_(cache)
     codebook = codebook_kwargs(module, device)
     rotation = codebook.get("rotation")
     pi = rotation.t().contiguous() if rotation is not None else None  # vLLM's PiT is tqgen's rotation
@@ -184,27 +190,28 @@ def bench_vllm_decode(module: ModuleType, config: Config, batch: int, context: i
                                                 codebook.get("centroids"), config.head_dim**-0.5, PiT=rotation,
                                                 max_num_kv_splits=max_num_kv_splits, **buffers, **arguments)
 
-    call()
-    graph_ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
+    with vllm.cache_layout_for(config.cache_layout):
+        call()
+        graph_ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
     group_size = num_q_heads // num_kv_heads
     num_splits = min(module.decode_launch(batch, num_kv_heads, group_size, block_table.shape[1] * config.block_size,
                                           cache.device)[3], max_num_kv_splits)
     workspace = module.DecodeWorkspace(batch, num_q_heads, num_splits, device)
     out = torch.empty_like(query)
 
-    def position_major():
+    def module_decode():
         module.decode(query, cache, block_table, seq_lens, out=out, workspace=workspace, num_splits=num_splits,
                       validate=False, **codebook)
 
-    position_major()
-    position_major_ms = triton.testing.do_bench_cudagraph(position_major, return_mode="median")
+    module_decode()
+    module_ms = triton.testing.do_bench_cudagraph(module_decode, return_mode="median")
     del cache, head_major
     sdpa_ms = _sdpa_ms(query, num_kv_heads, context)
-    gbps = _gbps(batch * num_kv_heads * context * module.SLOT_BYTES, graph_ms)
-    return VllmDecodeRow(config=config.name, batch=batch, context=context, graph_us=graph_ms * 1e3, gbps=gbps,
-                         ceiling_pct=100 * gbps / ceiling_gbps, sdpa_us=sdpa_ms * 1e3,
-                         speedup_vs_sdpa=sdpa_ms / graph_ms, position_major_us=position_major_ms * 1e3,
-                         head_major_cost=graph_ms / position_major_ms)
+    gbps = _gbps(batch * num_kv_heads * context * slot_bytes, graph_ms)
+    return VllmDecodeRow(config=config.name, layout=config.cache_layout, batch=batch, context=context,
+                         graph_us=graph_ms * 1e3, gbps=gbps, ceiling_pct=100 * gbps / ceiling_gbps,
+                         sdpa_us=sdpa_ms * 1e3, speedup_vs_sdpa=sdpa_ms / graph_ms, module_us=module_ms * 1e3,
+                         module_cost=graph_ms / module_ms)
 
 
 def _gbps(nbytes: int, ms: float) -> float:
@@ -283,14 +290,15 @@ def format_table(rows: list[BenchRow], ceiling_gbps: float, op_rows: list[OpRow]
                          f"| {r.gbps:.0f} | {r.ceiling_pct:.1f} |")
     if vllm_rows:
         lines += ["", "tqgen.vllm decode on vLLM's head-major cache (vLLM's buffers, splits capped at "
-                  f"{VLLM_MAX_KV_SPLITS}):",
-                  "| config | batch | context | us (graph) | GB/s | % ceiling | fp16 SDPA us | x SDPA "
-                  "| position-major us | head-major / position-major |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"{VLLM_MAX_KV_SPLITS}; module us: the module's own decode of the same bytes, slots in "
+                  "position-major order):",
+                  "| config | layout | batch | context | us (graph) | GB/s | % ceiling | fp16 SDPA us | x SDPA "
+                  "| module us | drop-in / module |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in vllm_rows:
-            lines.append(f"| {r.config} | {r.batch} | {r.context} | {r.graph_us:.1f} | {r.gbps:.0f} "
+            lines.append(f"| {r.config} | {r.layout} | {r.batch} | {r.context} | {r.graph_us:.1f} | {r.gbps:.0f} "
                          f"| {r.ceiling_pct:.1f} | {r.sdpa_us:.1f} | {r.speedup_vs_sdpa:.2f} "
-                         f"| {r.position_major_us:.1f} | {r.head_major_cost:.2f} |")
+                         f"| {r.module_us:.1f} | {r.module_cost:.2f} |")
     return "\n".join(lines)
 
 

@@ -36,6 +36,19 @@ How vLLM's arguments map onto tqgen's (docs/format.md):
 - Splits: the tuned (or heuristic) split count of the decode bucket, at most `max_num_kv_splits`; for
   a block table of fixed width (vLLM's) it is fixed per batch size, as CUDA graphs need.
 
+The cache layout (`TQGEN_VLLM_CACHE_LAYOUT`, or `set_cache_layout` before the first call):
+
+- "slots" (the default): docs/format.md's slots, byte for byte what vLLM's own kernels read and write.
+- "planes": the same allocation holds tqgen's page-planar layout instead. vLLM's head-major tensor is
+  `(num_blocks, num_kv_heads, block_size, slot)`, so each KV head's page is `block_size * slot` contiguous
+  bytes, exactly a page of a planes cache (docs/format.md); store, decode and dequantize here read and
+  write it as one, and decode runs the planes kernels (2-5x faster than slots, BENCHMARKS.md). The bytes
+  are then tqgen's, not vLLM's: every kernel that touches the cache must come from here (vLLM's backend
+  imports nothing else that reads it), the cache must be vLLM's head-major allocation, and MSE keys
+  need norm correction (every vLLM MSE preset has it) and the default codebook (vLLM's Lloyd-Max
+  centroids), whose squares the store folds into the stored norms. A codebook tensor is checked on
+  its first call outside a CUDA-graph capture.
+
 Differences from vLLM's kernels, all deliberate:
 - A sequence of length 0 decodes to zeros (vLLM's reduction divides 0 by 0 there).
 - fp8 keys are e4m3fn on every GPU; vLLM's kernels use Triton's e4b15 on compute capability below
@@ -46,9 +59,11 @@ Differences from vLLM's kernels, all deliberate:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
+import os
 
 import torch
 import torch.utils.weak
@@ -69,6 +84,11 @@ VALUE_BITS = (3, 4)  # what vLLM's store and decode read and write
 # A caller's PiT within this relative distance of the Sylvester Hadamard matrix takes the module's own
 # (applied by a Walsh-Hadamard transform): vLLM builds it in fp32, one rounding from tqgen's.
 HADAMARD_RTOL = 1e-6
+CACHE_LAYOUTS = ("slots", "planes")
+LAYOUT_VARIABLE = "TQGEN_VLLM_CACHE_LAYOUT"
+# The planes layout folds the squares of the default centroids into the stored key norms: a caller's centroids
+# (or midpoints) must be these to within this fraction of the largest.
+PLANES_CODEBOOK_RTOL = 1e-4
 
 
 class VllmArgumentError(ValueError):
@@ -109,6 +129,80 @@ def slot_size_aligned(cache_dtype: str, head_dim: int) -> int:
     return size + size % 2
 
 
+# --- the cache layout ----------------------------------------------------------------------------
+_layout = None  # "slots" or "planes", from TQGEN_VLLM_CACHE_LAYOUT on first use unless set before
+
+
+def cache_layout() -> str:
+    """The layout the drop-ins read and write in vLLM's cache: "slots" or "planes" (module doc)."""
+    global _layout
+    if _layout is None:
+        value = os.environ.get(LAYOUT_VARIABLE, "slots")
+        if value not in CACHE_LAYOUTS:
+            raise VllmArgumentError(f"{LAYOUT_VARIABLE}={value!r} is not one of {', '.join(CACHE_LAYOUTS)}")
+        _layout = value
+    return _layout
+
+
+def set_cache_layout(layout: str) -> None:
+    """Pick the cache layout before the first call; once a drop-in has run it is fixed (caches written so far
+    hold that layout), and asking for the other one is refused."""
+    global _layout
+    if layout not in CACHE_LAYOUTS:
+        raise VllmArgumentError(f"cache layout {layout!r} is not one of {', '.join(CACHE_LAYOUTS)}")
+    if _modules and cache_layout() != layout:
+        raise VllmArgumentError(f"the cache layout is {cache_layout()!r} since the first call of a drop-in (caches "
+                                f"written since hold it); set {layout!r} before any call")
+    _layout = layout
+
+
+@contextlib.contextmanager
+def cache_layout_for(layout: str):
+    """Run the drop-ins in a layout for a while, with modules of their own, then as before: for tools that
+    compare both layouts in one process (tqgen bench). An engine picks one layout per process."""
+    global _layout, _modules, _modules_by_config
+    if layout not in CACHE_LAYOUTS:
+        raise VllmArgumentError(f"cache layout {layout!r} is not one of {', '.join(CACHE_LAYOUTS)}")
+    saved = _layout, _modules, _modules_by_config
+    _layout, _modules, _modules_by_config = layout, {}, {}
+    try:
+        yield
+    finally:
+        _layout, _modules, _modules_by_config = saved
+
+
+def _cache_view(fn, module, kv_cache):
+    """The tensor the module takes: vLLM's [num_blocks, block_size, num_kv_heads, slot] itself for slots; for
+    planes, each (block, KV head) page of the head-major allocation as [num_blocks, num_kv_heads, page bytes]."""
+    if module.CONFIG.get("cache_layout", "slots") != "planes":
+        return kv_cache
+    num_blocks, block_size, num_kv_heads, slot_bytes = kv_cache.shape
+    if slot_bytes != module.SLOT_BYTES:
+        _refuse(fn, f"kv_cache slots are {slot_bytes} bytes (dim 3), this format's slot is {module.SLOT_BYTES} bytes")
+    page_bytes = block_size * slot_bytes
+    contiguous_pages = kv_cache.stride(3) == 1 and kv_cache.stride(1) == slot_bytes
+    if not contiguous_pages or (num_kv_heads > 1 and kv_cache.stride(2) != page_bytes):
+        _refuse(fn, f"the planes layout needs vLLM's head-major cache (each KV head's page contiguous: strides "
+                f"(*, {slot_bytes}, {page_bytes}, 1)), got strides {tuple(kv_cache.stride())}")
+    return kv_cache.as_strided((num_blocks, num_kv_heads, page_bytes), (kv_cache.stride(0), page_bytes, 1))
+
+
+def _default_codebook(fn, module, name, tensor, default):
+    """Refuse a codebook tensor other than the module's default (planes: the store folds the default centroids'
+    squares into the key norms); checked once per tensor and version, taken on trust in a capture."""
+    def matches(source, capturing):
+        if capturing:
+            return True  # comparing reads values on the host; the eager calls before a capture check it
+        expected = default(source.device)
+        return (tuple(source.shape) == tuple(expected.shape)
+                and bool(torch.allclose(source.to(torch.float32), expected, rtol=0.0,
+                                        atol=PLANES_CODEBOOK_RTOL * float(expected.abs().max()))))
+
+    if isinstance(tensor, torch.Tensor) and not _derive(("default-codebook", id(module), name), tensor, matches):
+        _refuse(fn, f"{name} differ from the default Lloyd-Max codebook: the planes cache layout stores key norms "
+                f"corrected by the default centroids ({LAYOUT_VARIABLE}=slots takes any codebook)")
+
+
 # --- the modules -------------------------------------------------------------------------------
 _modules: dict = {}  # the arguments' dispatch key -> module
 _modules_by_config: dict = {}  # Config -> module (several argument spellings share one)
@@ -116,12 +210,14 @@ _modules_by_config: dict = {}  # Config -> module (several argument spellings sh
 
 def _module(fn, device, head_dim, block_size, key_fp8, mse_bits, key_packed_size, value_quant_bits,
             norm_correction):
-    """The module for a format on a device: a dictionary lookup after its first call."""
-    key = (device, head_dim, block_size, key_fp8, mse_bits, key_packed_size, value_quant_bits, norm_correction)
+    """The module for a format on a device in the cache layout: a dictionary lookup after its first call."""
+    layout = cache_layout()
+    key = (device, head_dim, block_size, key_fp8, mse_bits, key_packed_size, value_quant_bits, norm_correction,
+           layout)
     module = _modules.get(key)
     if module is None:
         config = _config(fn, device, head_dim, block_size, bool(key_fp8), mse_bits, key_packed_size,
-                         value_quant_bits, bool(norm_correction))
+                         value_quant_bits, bool(norm_correction), layout)
         module = _modules_by_config.get(config)
         if module is None:
             module = _modules_by_config[config] = emit.load(config)
@@ -130,7 +226,7 @@ def _module(fn, device, head_dim, block_size, key_fp8, mse_bits, key_packed_size
 
 
 def _config(fn, device, head_dim, block_size, key_fp8, mse_bits, key_packed_size, value_quant_bits,
-            norm_correction) -> config_mod.Config:
+            norm_correction, layout="slots") -> config_mod.Config:
     """The tqgen config of vLLM's format arguments, arch resolved for the device; one-line refusals."""
     lowest, highest, step = config_mod.HEAD_DIM_MIN, config_mod.HEAD_DIM_MAX, config_mod.HEAD_DIM_STEP
     if not (lowest <= head_dim <= highest and head_dim % step == 0):
@@ -156,7 +252,15 @@ def _config(fn, device, head_dim, block_size, key_fp8, mse_bits, key_packed_size
     if key_packed_size != packed:
         _refuse(fn, f"key_packed_size {key_packed_size!r} does not match the format: "
                 f"{'fp8' if key_fp8 else f'{mse_bits}-bit MSE'} keys of head_dim {head_dim} take {packed} bytes")
-    config = config_mod.from_mapping(dict(fields, head_dim=head_dim, block_size=block_size), "<tqgen.vllm>")
+    if layout == "planes":
+        if not key_fp8 and not norm_correction:
+            _refuse(fn, f"norm_correction=False: the planes cache layout stores norm-corrected key norms (every "
+                    f"vLLM MSE preset corrects); {LAYOUT_VARIABLE}=slots decodes without")
+        fields["cache_layout"] = "planes"
+    try:
+        config = config_mod.from_mapping(dict(fields, head_dim=head_dim, block_size=block_size), "<tqgen.vllm>")
+    except config_mod.ConfigError as error:
+        _refuse(fn, f"the {layout} cache layout cannot hold this format: {error}")
     # CPU tensors run in Triton's interpreter: the portable sm80 module, whatever GPU the machine has.
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (8, 0)
     return config_mod.resolve_arch(config, capability)
@@ -202,18 +306,27 @@ def _fp32(tensor):
     return _derive("fp32", tensor, lambda t, capturing: t.to(torch.float32).contiguous(), fresh_in_capture=True)
 
 
+def _centroids(fn, module, centroids):
+    """The caller's centroids as contiguous fp32; the planes layout takes only the default ones."""
+    if module.CONFIG.get("cache_layout") == "planes":
+        _default_codebook(fn, module, "centroids", centroids, module.default_centroids)
+    return _fp32(centroids)
+
+
 def _check_square(fn, name, matrix, head_dim):
     if not isinstance(matrix, torch.Tensor) or tuple(matrix.shape) != (head_dim, head_dim):
         shown = tuple(matrix.shape) if isinstance(matrix, torch.Tensor) else type(matrix).__name__
         _refuse(fn, f"{name} must be a [{head_dim}, {head_dim}] tensor, got {shown}")
 
 
-def _decode_rotation(fn, Pi, PiT, head_dim):
-    """R = PiT, or Pi.T when PiT is None (vLLM's q_rot = q @ PiT), as contiguous fp32."""
+def _decode_rotation(fn, module, Pi, PiT, head_dim):
+    """R = PiT, or Pi.T when PiT is None (vLLM's q_rot = q @ PiT), as contiguous fp32; the module's own
+    Hadamard matrix where R equals it, so that decode may rotate the query inside its kernels."""
+    _check_square(fn, "Pi" if PiT is None else "PiT", Pi if PiT is None else PiT, head_dim)
+    if _is_module_hadamard(module, Pi if PiT is None else PiT):
+        return module.default_rotation(Pi.device if PiT is None else PiT.device)
     if PiT is not None:
-        _check_square(fn, "PiT", PiT, head_dim)
         return _fp32(PiT)
-    _check_square(fn, "Pi", Pi, head_dim)
     return _derive("transpose", Pi, lambda t, capturing: t.t().to(torch.float32).contiguous(), fresh_in_capture=True)
 
 
@@ -221,17 +334,23 @@ def _store_rotation(fn, module, PiT, head_dim):
     """PiT as tqgen's store rotation: the module's own Hadamard matrix where PiT equals it (the store's
     kernel then rotates by a Walsh-Hadamard transform), else PiT as contiguous fp32."""
     _check_square(fn, "PiT", PiT, head_dim)
+    return module.default_rotation(PiT.device) if _is_module_hadamard(module, PiT) else _fp32(PiT)
+
+
+def _is_module_hadamard(module, matrix) -> bool:
+    """Whether matrix is the module's own Hadamard rotation (symmetric: matrix and its transpose alike). Decided
+    once per tensor and version outside a capture and reused by a capture; a tensor first seen inside a capture
+    is taken as another matrix, whose general path is correct for any."""
     if module.CONFIG["rotation"] != "hadamard":
-        return _fp32(PiT)
+        return False
 
-    def classify(matrix, capturing):
-        rotation = matrix.to(torch.float32).contiguous()
-        if capturing:  # comparing reads values on the host: the general path, correct for any matrix
-            return rotation
-        hadamard = module.default_rotation(matrix.device)
-        return hadamard if torch.allclose(rotation, hadamard, rtol=HADAMARD_RTOL, atol=0.0) else rotation
+    def is_hadamard(source, capturing):
+        if capturing:  # comparing reads values on the host
+            return False
+        hadamard = module.default_rotation(source.device)
+        return bool(torch.allclose(source.to(torch.float32), hadamard, rtol=HADAMARD_RTOL, atol=0.0))
 
-    return _derive(("store-rotation", id(module)), PiT, classify)
+    return _derive(("hadamard", id(module)), matrix, is_hadamard)
 
 
 def _identity(head_dim, device):
@@ -267,6 +386,7 @@ def triton_turboquant_decode_attention(query, kv_cache, block_table, seq_lens, P
     device = kv_cache.device
     module = _module(fn, device, head_dim, block_size, key_fp8, mse_bits, key_packed_size, value_quant_bits,
                      norm_correction)
+    kv_cache = _cache_view(fn, module, kv_cache)
     if not isinstance(max_num_kv_splits, int) or max_num_kv_splits < 1:
         _refuse(fn, f"max_num_kv_splits must be a positive int, got {max_num_kv_splits!r}")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
@@ -285,7 +405,10 @@ def triton_turboquant_decode_attention(query, kv_cache, block_table, seq_lens, P
     num_splits = min(module.decode_launch(batch, num_kv_heads, group_size, context, device)[3], max_num_kv_splits)
     workspace = _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_dim, num_splits,
                                   max_num_kv_splits, device, needs_query=not key_fp8)
-    codebook = {} if key_fp8 else {"rotation": _decode_rotation(fn, Pi, PiT, head_dim), "centroids": _fp32(centroids)}
+    codebook = {}
+    if not key_fp8:
+        codebook = {"rotation": _decode_rotation(fn, module, Pi, PiT, head_dim), "centroids": _centroids(fn, module,
+                                                                                                        centroids)}
     try:
         return module.decode(query, kv_cache, block_table, seq_lens, scale=scale, out=out, workspace=workspace,
                              num_splits=num_splits, validate=False, **codebook)
@@ -354,6 +477,7 @@ def triton_turboquant_store(key, value, kv_cache, slot_mapping, PiT, midpoints, 
     # Norm correction changes how slots are read, not what the store writes: one module serves both.
     module = _module(fn, kv_cache.device, head_dim, kv_cache.shape[1], key_fp8, mse_bits, key_packed_size,
                      value_quant_bits, True)
+    kv_cache = _cache_view(fn, module, kv_cache)
     # vLLM's kernel stores key.shape[0] tokens and reads that many entries of slot_mapping: a longer one
     # (padded for a CUDA graph) has its tail ignored; a shorter one is refused (vLLM would read past it).
     if isinstance(slot_mapping, torch.Tensor) and slot_mapping.dim() == 1:
@@ -367,6 +491,9 @@ def triton_turboquant_store(key, value, kv_cache, slot_mapping, PiT, midpoints, 
             shown = tuple(midpoints.shape) if isinstance(midpoints, torch.Tensor) else type(midpoints).__name__
             _refuse(fn, f"midpoints must be a [{boundaries}] tensor (between {2**mse_bits} sorted centroids), "
                     f"got {shown}")
+        if module.CONFIG.get("cache_layout") == "planes":
+            _default_codebook(fn, module, "midpoints", midpoints,
+                              lambda device: module.decision_boundaries(module.default_centroids(device)))
         codebook = dict(rotation=_store_rotation(fn, module, PiT, head_dim), boundaries=_fp32(midpoints))
     try:
         module.store(key, value, kv_cache, slot_mapping, validate=False, **codebook)
@@ -450,11 +577,13 @@ def _full_dequant(fn, grid, kv_cache, block_table, centroids, k_out, v_out, k_st
     if (not key_fp8 and mse_bytes != module.KEY_CODE_BYTES) or value_bytes != module.VALUE_CODE_BYTES:
         _refuse(fn, f"MSE_BYTES {mse_bytes} / VAL_DATA_BYTES {value_bytes} do not match the format "
                 f"({module.KEY_CODE_BYTES} / {module.VALUE_CODE_BYTES} bytes)")
+    kv_cache = _cache_view(fn, module, kv_cache)
     batch = programs // num_kv_heads
     if positions <= 0 or batch == 0:
         return
     seq_lens = torch.full((batch,), positions, dtype=torch.int32, device=kv_cache.device)
-    codebook = {} if key_fp8 else {"rotation": _identity(head_dim, kv_cache.device), "centroids": _fp32(centroids)}
+    codebook = {} if key_fp8 else {"rotation": _identity(head_dim, kv_cache.device),
+                                   "centroids": _centroids(fn, module, centroids)}
     try:
         keys, values = module.dequantize(kv_cache, block_table[:batch], seq_lens, max_len=positions,
                                          dtype=torch.float16, validate=False, **codebook)
