@@ -73,10 +73,10 @@ def fake_capabilities(monkeypatch, capabilities):
 
 
 def committed_buckets(config):
-    """The winners of tuned/NVIDIA_H200/<artifact>.json: {bucket: (block_kv, num_warps, num_stages, num_splits)}."""
+    """The winners of tuned/NVIDIA_H200/<artifact>.json: {bucket: (block_kv, num_warps, num_stages, num_splits)},
+    with the query's rotation last where the tuner chose it."""
     document = json.loads((REPO / "tuned" / "NVIDIA_H200" / f"{config.artifact_name()}.json").read_text())
-    return {key: tuple(entry["best"][field] for field in tuned_files.LAUNCH_FIELDS)
-            for key, entry in document["buckets"].items()}
+    return {key: tuned_files.baked_launch(entry["best"]) for key, entry in document["buckets"].items()}
 
 
 # --------------------------------------------------------------------------
