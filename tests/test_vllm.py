@@ -453,6 +453,11 @@ def test_a_hadamard_pit_takes_the_stores_walsh_hadamard_path():
     flipped = vllms.clone()
     flipped[0, 0] = -flipped[0, 0]
     assert vllm._store_rotation("test", module, flipped, 128).data_ptr() != module.default_rotation("cpu").data_ptr()
+    # Decode alike, so that its stage 1 may rotate the query itself: PiT, or Pi (PiT None) transposed.
+    assert vllm._decode_rotation("test", module, None, vllms, 128) is module.default_rotation("cpu")
+    assert vllm._decode_rotation("test", module, vllms, None, 128) is module.default_rotation("cpu")
+    assert vllm._decode_rotation("test", module, None, pi, 128) is pi
+    assert torch.equal(vllm._decode_rotation("test", module, pi, None, 128), pi.t())
 
 
 REFUSALS = [
@@ -685,3 +690,19 @@ def test_planes_layout_refusals_in_one_line(monkeypatch):
     use_layout(monkeypatch, "pages")
     with pytest.raises(vllm.VllmArgumentError, match="TQGEN_VLLM_CACHE_LAYOUT='pages' is not one of slots, planes"):
         vllm.cache_layout()
+
+
+def test_cache_layout_for_runs_a_layout_with_modules_of_its_own_then_restores(monkeypatch):
+    """tqgen bench times both layouts in one process: inside, the other layout and an empty module table; after,
+    the layout and modules as they were (an engine's modules are not lost)."""
+    use_layout(monkeypatch, "slots")
+    module = vllm._module("test", torch.device("cpu"), 64, 16, True, 0, 64, 4, False)
+    with vllm.cache_layout_for("planes"):
+        assert vllm.cache_layout() == "planes" and vllm._modules == {}
+        planes = vllm._module("test", torch.device("cpu"), 64, 16, True, 0, 64, 4, False)
+        assert planes.CONFIG["cache_layout"] == "planes"
+    assert vllm.cache_layout() == "slots"
+    assert list(vllm._modules.values()) == [module]
+    with pytest.raises(vllm.VllmArgumentError, match="cache layout 'pages' is not one of slots, planes"):
+        with vllm.cache_layout_for("pages"):
+            pass
