@@ -56,9 +56,10 @@ class SearchSpace:
 
 
 def rotations(module: ModuleType, batch: int) -> tuple:
-    """Where the heuristic has stage 1 rotate the query (modules with query_rotated_in_stage1, up to their
-    _ROTATE_QUERY_MAX_BATCH sequences), both ways are timed; elsewhere decode has one way."""
-    if hasattr(module, "query_rotated_in_stage1") and module.query_rotated_in_stage1(batch, 1, 0, "cpu", tuned=False):
+    """Where stage 1 can rotate the query (modules with query_rotated_in_stage1, up to their
+    _ROTATE_QUERY_MAX_BATCH sequences, at every context), both ways are timed and the bucket's winner decides;
+    elsewhere decode has one way."""
+    if hasattr(module, "query_rotated_in_stage1") and batch <= module._ROTATE_QUERY_MAX_BATCH:
         return (True, False)
     return (None,)
 

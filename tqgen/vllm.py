@@ -133,6 +133,12 @@ def slot_size_aligned(cache_dtype: str, head_dim: int) -> int:
 _layout = None  # "slots" or "planes", from TQGEN_VLLM_CACHE_LAYOUT on first use unless set before
 
 
+def _checked_layout(layout: str) -> str:
+    if layout not in CACHE_LAYOUTS:
+        raise VllmArgumentError(f"cache layout {layout!r} is not one of {', '.join(CACHE_LAYOUTS)}")
+    return layout
+
+
 def cache_layout() -> str:
     """The layout the drop-ins read and write in vLLM's cache: "slots" or "planes" (module doc)."""
     global _layout
@@ -148,9 +154,7 @@ def set_cache_layout(layout: str) -> None:
     """Pick the cache layout before the first call; once a drop-in has run it is fixed (caches written so far
     hold that layout), and asking for the other one is refused."""
     global _layout
-    if layout not in CACHE_LAYOUTS:
-        raise VllmArgumentError(f"cache layout {layout!r} is not one of {', '.join(CACHE_LAYOUTS)}")
-    if _modules and cache_layout() != layout:
+    if _modules and cache_layout() != _checked_layout(layout):
         raise VllmArgumentError(f"the cache layout is {cache_layout()!r} since the first call of a drop-in (caches "
                                 f"written since hold it); set {layout!r} before any call")
     _layout = layout
@@ -161,20 +165,22 @@ def cache_layout_for(layout: str):
     """Run the drop-ins in a layout for a while, with modules of their own, then as before: for tools that
     compare both layouts in one process (tqgen bench). An engine picks one layout per process."""
     global _layout, _modules, _modules_by_config
-    if layout not in CACHE_LAYOUTS:
-        raise VllmArgumentError(f"cache layout {layout!r} is not one of {', '.join(CACHE_LAYOUTS)}")
     saved = _layout, _modules, _modules_by_config
-    _layout, _modules, _modules_by_config = layout, {}, {}
+    _layout, _modules, _modules_by_config = _checked_layout(layout), {}, {}
     try:
         yield
     finally:
         _layout, _modules, _modules_by_config = saved
 
 
+def _planes(module) -> bool:
+    return module.CONFIG.get("cache_layout") == "planes"  # configs leave the default ("slots") out
+
+
 def _cache_view(fn, module, kv_cache):
     """The tensor the module takes: vLLM's [num_blocks, block_size, num_kv_heads, slot] itself for slots; for
     planes, each (block, KV head) page of the head-major allocation as [num_blocks, num_kv_heads, page bytes]."""
-    if module.CONFIG.get("cache_layout", "slots") != "planes":
+    if not _planes(module):
         return kv_cache
     num_blocks, block_size, num_kv_heads, slot_bytes = kv_cache.shape
     if slot_bytes != module.SLOT_BYTES:
@@ -308,7 +314,7 @@ def _fp32(tensor):
 
 def _centroids(fn, module, centroids):
     """The caller's centroids as contiguous fp32; the planes layout takes only the default ones."""
-    if module.CONFIG.get("cache_layout") == "planes":
+    if _planes(module):
         _default_codebook(fn, module, "centroids", centroids, module.default_centroids)
     return _fp32(centroids)
 
@@ -322,9 +328,10 @@ def _check_square(fn, name, matrix, head_dim):
 def _decode_rotation(fn, module, Pi, PiT, head_dim):
     """R = PiT, or Pi.T when PiT is None (vLLM's q_rot = q @ PiT), as contiguous fp32; the module's own
     Hadamard matrix where R equals it, so that decode may rotate the query inside its kernels."""
-    _check_square(fn, "Pi" if PiT is None else "PiT", Pi if PiT is None else PiT, head_dim)
-    if _is_module_hadamard(module, Pi if PiT is None else PiT):
-        return module.default_rotation(Pi.device if PiT is None else PiT.device)
+    name, matrix = ("Pi", Pi) if PiT is None else ("PiT", PiT)
+    _check_square(fn, name, matrix, head_dim)
+    if _is_module_hadamard(module, matrix):  # symmetric: Pi.T is Pi
+        return module.default_rotation(matrix.device)
     if PiT is not None:
         return _fp32(PiT)
     return _derive("transpose", Pi, lambda t, capturing: t.t().to(torch.float32).contiguous(), fresh_in_capture=True)
@@ -405,10 +412,8 @@ def triton_turboquant_decode_attention(query, kv_cache, block_table, seq_lens, P
     num_splits = min(module.decode_launch(batch, num_kv_heads, group_size, context, device)[3], max_num_kv_splits)
     workspace = _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_dim, num_splits,
                                   max_num_kv_splits, device, needs_query=not key_fp8)
-    codebook = {}
-    if not key_fp8:
-        codebook = {"rotation": _decode_rotation(fn, module, Pi, PiT, head_dim), "centroids": _centroids(fn, module,
-                                                                                                        centroids)}
+    codebook = {} if key_fp8 else {"rotation": _decode_rotation(fn, module, Pi, PiT, head_dim),
+                                   "centroids": _centroids(fn, module, centroids)}
     try:
         return module.decode(query, kv_cache, block_table, seq_lens, scale=scale, out=out, workspace=workspace,
                              num_splits=num_splits, validate=False, **codebook)
@@ -491,7 +496,7 @@ def triton_turboquant_store(key, value, kv_cache, slot_mapping, PiT, midpoints, 
             shown = tuple(midpoints.shape) if isinstance(midpoints, torch.Tensor) else type(midpoints).__name__
             _refuse(fn, f"midpoints must be a [{boundaries}] tensor (between {2**mse_bits} sorted centroids), "
                     f"got {shown}")
-        if module.CONFIG.get("cache_layout") == "planes":
+        if _planes(module):
             _default_codebook(fn, module, "midpoints", midpoints,
                               lambda device: module.decision_boundaries(module.default_centroids(device)))
         codebook = dict(rotation=_store_rotation(fn, module, PiT, head_dim), boundaries=_fp32(midpoints))
