@@ -68,12 +68,24 @@ def codebook_kwargs(module, config, device):
     return testing.codebook_kwargs(module, device)
 
 
-def stored_cache(module, config, seq_lens, device, num_kv_heads=2, seed=0, codebook=None):
+def head_major_cache(module, num_blocks, num_kv_heads, device):
+    """A slots cache as vLLM allocates it, [num_blocks, num_kv_heads, page, slot] underneath (each KV head's
+    page contiguous), viewed in the slots layout's dim order [num_blocks, page, num_kv_heads, slot]."""
+    storage = torch.zeros(num_blocks, num_kv_heads, module.PAGE_SIZE, module.SLOT_BYTES, dtype=torch.uint8,
+                          device=device)
+    return storage.permute(0, 2, 1, 3)
+
+
+def stored_cache(module, config, seq_lens, device, num_kv_heads=2, seed=0, codebook=None, head_major=False):
     """A random ragged batch (testing.paged_batch) stored into a fresh cache by the module: (batch, cache).
-    `codebook` (rotation/centroids keyword arguments) replaces the module's defaults."""
+    `codebook` (rotation/centroids keyword arguments) replaces the module's defaults; `head_major` (slots)
+    stores into a head_major_cache."""
     batch = testing.paged_batch(config, seq_lens, num_kv_heads, device=device,
                                 generator=torch.Generator().manual_seed(seed))
-    cache = module.make_cache(batch.num_blocks, num_kv_heads, device)
+    if head_major:
+        cache = head_major_cache(module, batch.num_blocks, num_kv_heads, device)
+    else:
+        cache = module.make_cache(batch.num_blocks, num_kv_heads, device)
     kwargs = codebook if codebook is not None else codebook_kwargs(module, config, device)
     # Decode tests also pass unsorted centroids (test_decode, test_decode_mma), to check that decode reads
     # whatever codebook it is given. The store refuses those unless told not to check (validate=False, its
@@ -86,12 +98,12 @@ def stored_cache(module, config, seq_lens, device, num_kv_heads=2, seed=0, codeb
 
 
 def check_decode(module, config, device, seq_lens, num_kv_heads=2, group_size=4, dtype=torch.float32, seed=0,
-                  codebook=None, strided_query=False, **launch):
+                  codebook=None, strided_query=False, head_major=False, **launch):
     """Decode a random ragged batch with the module and compare it with the float64 reference; returns the output.
     `codebook` (rotation/centroids keyword arguments) replaces the module's defaults; `strided_query` passes
-    the query as a view whose head dim is not contiguous."""
+    the query as a view whose head dim is not contiguous; `head_major` (slots) the cache as vLLM allocates it."""
     kwargs = codebook if codebook is not None else codebook_kwargs(module, config, device)
-    batch, cache = stored_cache(module, config, seq_lens, device, num_kv_heads, seed, kwargs)
+    batch, cache = stored_cache(module, config, seq_lens, device, num_kv_heads, seed, kwargs, head_major)
     generator = torch.Generator().manual_seed(seed + 100)
     query = torch.randn(len(seq_lens), num_kv_heads * group_size, config.head_dim, generator=generator)
     query = query.to(device=device, dtype=dtype)

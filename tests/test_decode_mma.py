@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HAS_CUDA, PRESETS, KernelRecorder, check_decode, codebook_kwargs, make_config
+from conftest import HAS_CUDA, PRESETS, KernelRecorder, check_decode, codebook_kwargs, head_major_cache, make_config
 from tqgen import reference, render, tuner
 from tqgen.layout import Layout
 from tqgen.plan import Plan
@@ -31,11 +31,12 @@ def gpu_test(test):
 
 
 def mma_config(preset="k3v4", head_dim=128, **overrides):
-    """A planes config of the preset; fp8 keys for sm90 (without a GPU, arch auto resolves to sm80,
-    which has no e4m3 converter and so no Gluon kernel for them)."""
+    """A planes config of the preset (unless cache_layout says otherwise); fp8 keys for sm90 (without a GPU,
+    arch auto resolves to sm80, which has no e4m3 converter and so no Gluon kernel for them)."""
     if PRESETS[preset]["key_format"] == "fp8":
         overrides.setdefault("arch", "sm90")
-    return make_config(preset, head_dim=head_dim, cache_layout="planes", **overrides)
+    overrides.setdefault("cache_layout", "planes")
+    return make_config(preset, head_dim=head_dim, **overrides)
 
 
 def key_units(config):
@@ -53,9 +54,17 @@ def key_units(config):
     (dict(preset="k8v4", arch="sm90"), True), (dict(preset="k8v4", arch="sm89", head_dim=64), True),
     (dict(preset="k8v4", arch="sm80"), False),  # no e4m3 converter
     (dict(preset="k3v4", head_dim=96, rotation="random"), False),  # not a power of two
-    (dict(preset="k3v4", cache_layout="slots"), False),
+    (dict(preset="k3v4", cache_layout="slots"), False),  # packed 3-bit streams in 2-byte aligned slots
+    (dict(preset="k4v4", cache_layout="slots"), False),
+    # slots with fp8 keys and 4-bit values: every field 4-byte aligned in every slot
+    (dict(preset="k8v4", arch="sm90", cache_layout="slots"), True),
+    (dict(preset="k8v4", arch="sm90", cache_layout="slots", head_dim=64), True),
+    (dict(preset="k8v4", arch="sm90", cache_layout="slots", head_dim=256, block_size=64), True),
+    (dict(preset="k8v4", arch="sm90", cache_layout="slots", value_bits=3), False),  # a packed 3-bit stream
+    (dict(preset="k8v4", arch="sm80", cache_layout="slots"), False),
 ])
-def test_the_kernel_is_rendered_for_planes_configs_at_power_of_two_head_dims(fields, expected):
+def test_which_configs_get_the_kernel(fields, expected):
+    """Planes configs at power-of-two head dims, and slots configs whose fields a lane can copy in 4-byte units."""
     fields = dict(fields)
     config = make_config(fields.pop("preset"), **{"cache_layout": "planes", **fields})
     source = render.render(config)
@@ -133,7 +142,20 @@ COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correct
     # the query rotated in the kernel (Hadamard configs at head_dim 128), a dependent launch at group 1
     ("k3v4", 128, 16, 64, 1, True, 2, True), ("k3v4", 128, 16, 32, 4, True, 1, True),
     ("k4v4", 128, 16, 32, 16, True, 2, True), ("k3v3", 128, 16, 64, 8, True, 1, True),
+    # slots (fp8 keys), the cache as vLLM allocates it (head-major) and in tqgen's own dim order
+    *[("k8v4", 128, 16, kv, 4, True, stages, False, order) for kv in (32, 64) for stages in [1] + RING_STAGES
+      for order in ("slots-head-major", "slots-position-major")],
+    ("k8v4", 64, 16, 32, 4, True, 2, False, "slots-head-major"), ("k8v4", 256, 64, 32, 4, True, 2, False, "slots-head-major"),
+    ("k8v4", 128, 16, 32, 16, True, 2, False, "slots-head-major"), ("k8v4", 128, 16, 64, 1, True, 1, False, "slots-head-major"),
 ]
+
+
+def case_fields(case):
+    """(preset, head_dim, page, block_kv, group_size, norm_correction, stages, rotate_query, layout) of a COMPILE_CASES
+    entry, whose last two fields may be left out (False, "planes")."""
+    preset, head_dim, page, block_kv, group_size, norm_correction, stages, *rest = case
+    return (preset, head_dim, page, block_kv, group_size, norm_correction, stages, bool(rest and rest[0]),
+            rest[1] if len(rest) > 1 else "planes")
 
 
 # Under TRITON_INTERPRET=1 the @triton.jit helpers the Gluon kernel calls are interpreter objects that
@@ -145,13 +167,15 @@ import ptx_probe, tqgen
 from tqgen import config as config_mod
 presets, cases = json.loads(sys.argv[1])
 folder = tempfile.mkdtemp(prefix="tqgen-mma-")
-for preset, head_dim, page, block_kv, group_size, norm_correction, stages, *rotate in cases:
-    fields = dict(presets[preset], head_dim=head_dim, block_size=page, cache_layout="planes", arch="sm90")
+for preset, head_dim, page, block_kv, group_size, norm_correction, stages, *rest in cases:
+    layout = rest[1] if len(rest) > 1 else "planes"
+    fields = dict(presets[preset], head_dim=head_dim, block_size=page, cache_layout=layout.split("-")[0], arch="sm90")
     if fields["key_format"] == "mse":
         fields["norm_correction"] = norm_correction
     module = tqgen.load(config_mod.from_mapping(fields), folder)
     compiled = ptx_probe.compile_stage1_mma(module, block_kv, group_size, dependent_launch=group_size == 1,
-                                           stages=stages, rotate_query=bool(rotate and rotate[0]))
+                                           stages=stages, rotate_query=bool(rest and rest[0]),
+                                           head_major=layout != "slots-position-major")
     ptx = compiled.asm["ptx"]
     copies = re.findall(r"cp[.]async[.]c[ag][.]shared[.]global [[][^]]*[]], [[][^]]*[]], (0x[0-9a-f]+)", ptx)
     print(json.dumps(dict(mma=ptx.count("mma.sync.aligned.m16n8k16"), shared_ops=ptx.count(".shared"),
@@ -178,9 +202,9 @@ def test_every_launch_compiles_for_sm90(compiled_cases, case):
     accepts), with one m16n8k16 MMA per 16 x 8 x 16 block of each product: the scores and the output,
     nothing for the norm correction ("planes" stores corrected norms). One stage uses no shared memory;
     the ring holds `stages` tiles of exactly the bytes a tile's tokens use, copied by cp.async as wide as
-    each plane's alignment allows (16 bytes for every plane at head_dim 128 and 256)."""
-    preset, head_dim, page, block_kv, group_size, norm_correction, stages, *rotate = case
-    rotate = bool(rotate and rotate[0])
+    each plane's alignment allows (16 bytes for every plane at head_dim 128 and 256; 4 bytes in slots, where
+    fp8 keys' slots and fields are 4-byte aligned, in either dim order of the cache)."""
+    preset, head_dim, page, block_kv, group_size, norm_correction, stages, rotate, layout = case_fields(case)
     report = compiled_cases[case]
     columns = max(8, 1 << (group_size - 1).bit_length()) // 8
     key_mmas = (block_kv // 16) * (head_dim // 16) * columns
@@ -192,12 +216,14 @@ def test_every_launch_compiles_for_sm90(compiled_cases, case):
         assert rotate or (report["shared_ops"] == 0 and report["shared_bytes"] == 0)
         assert report["copy_bytes"] == []
     else:
-        plan = Plan.from_config(mma_config(preset, head_dim, block_size=page))
+        plan = Plan.from_config(mma_config(preset, head_dim, block_size=page, cache_layout=layout.split("-")[0]))
         ring_bytes = stages * block_kv * plan.layout.used_bytes
         # The conversion's scratch may share the ring's memory (it is dead before the loop) or lie beside it.
         assert report["shared_bytes"] == ring_bytes if not rotate else report["shared_bytes"] >= ring_bytes
         assert report["copy_bytes"] == sorted({field.vector * field.unit_bytes for field in plan.ring_fields})
-        if head_dim >= 128:
+        if layout != "planes":
+            assert report["copy_bytes"] == [4]
+        elif head_dim >= 128:
             assert report["copy_bytes"] == [16]
     # A dependent launch of MSE configs waits on tq_prepare_query; fp8 keys' stage 1 comes first, and so
     # does a stage 1 that rotates the query itself.
@@ -253,6 +279,47 @@ def test_decode_takes_the_mma_kernel_where_it_can(build_module, monkeypatch, pre
         assert launch.get("ROTATE_QUERY", False) == rotates
         assert (args[0] is query) == (rotates or preset == "k8v4")  # fp8 keys: always the caller's query
         assert len(prepare.launches) == (0 if rotates or preset == "k8v4" else 1)
+
+
+def _slots_cache(module, kind, num_blocks, num_kv_heads, device):
+    """A k8v4 slots cache: as vLLM allocates it, as make_cache does, or views whose slot fields are not
+    4-byte aligned (a first byte 4 bytes into an allocation; slots 198 bytes apart)."""
+    page, slot = module.PAGE_SIZE, module.SLOT_BYTES
+    if kind == "head_major":
+        return head_major_cache(module, num_blocks, num_kv_heads, device)
+    if kind == "position_major":
+        return module.make_cache(num_blocks, num_kv_heads, device)
+    if kind == "unaligned_start":
+        flat = torch.zeros(num_blocks * page * num_kv_heads * slot + 4, dtype=torch.uint8, device=device)
+        return flat[4:].view(num_blocks, page, num_kv_heads, slot)
+    assert kind == "odd_head_stride"
+    return torch.zeros(num_blocks, page, num_kv_heads, slot + 2, dtype=torch.uint8, device=device)[..., :slot]
+
+
+@pytest.mark.parametrize("kind,expect_mma", [("head_major", True), ("position_major", True),
+                                             ("unaligned_start", False), ("odd_head_stride", False)])
+def test_slots_decode_takes_the_mma_kernel_where_its_copies_stay_aligned(build_module, monkeypatch, kind, expect_mma):
+    """fp8 keys in slots: the Gluon kernel copies each slot's fields 4 bytes at a time, so it takes caches whose
+    first byte is 16-byte aligned and whose strides are multiples of 4, in either dim order, with the cache's
+    position stride as TOKEN_STRIDE; any other view runs on the tl.dot kernel."""
+    config = mma_config("k8v4", cache_layout="slots")
+    module = build_module(config)
+    device = "cuda" if HAS_CUDA else "cpu"
+    monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)  # a GPU that can, on any machine
+    mma, dot = KernelRecorder(), KernelRecorder(module.tq_decode_stage1)
+    monkeypatch.setattr(module, "tq_decode_stage1_mma", mma)
+    monkeypatch.setattr(module, "tq_decode_stage1", dot)
+    if expect_mma:
+        monkeypatch.setattr(module, "tq_decode_stage2", KernelRecorder())  # the recorded stage 1 wrote nothing
+    cache = _slots_cache(module, kind, 8, 2, device)
+    table = torch.arange(8, dtype=torch.int32, device=device).view(2, 4)
+    query = torch.randn(2, 8, 128, device=device)
+    module.decode(query, cache, table, torch.tensor([40, 64], dtype=torch.int32, device=device), num_warps=1,
+                  block_kv=32, num_splits=2, num_stages=2)
+    assert (len(mma.launches), len(dot.launches)) == ((1, 0) if expect_mma else (0, 1))
+    if expect_mma:
+        _, args, launch = mma.launches[0]
+        assert launch["TOKEN_STRIDE"] == cache.stride(1) and launch["STAGES"] == 2 and args[1] is cache
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -343,6 +410,29 @@ def test_mma_decode_matches_reference(build_module, monkeypatch, preset, head_di
     assert len(spy.launches) == 1 and spy.launches[0][2]["STAGES"] == num_stages
 
 
+SLOTS_MMA_CASES = [  # (head_dim, page, block_kv, group_size, num_splits, num_stages, head_major)
+    *[(128, 16, block_kv, 4, 3, stages, head_major) for block_kv in sorted(set(tuner.SearchSpace().block_kv))
+      for stages in [1] + RING_STAGES for head_major in (True, False)],
+    (64, 16, 32, 4, 3, 2, True), (256, 16, 32, 4, 3, 2, True), (128, 32, 64, 4, 3, 1, True), (128, 64, 64, 4, 3, 2, True),
+    (128, 128, 32, 4, 3, 2, False),
+    *[(128, 16, 32, group_size, num_splits, 2, True) for group_size in (1, 6, 8, 16) for num_splits in (1, 16)],
+]
+
+
+@pytest.mark.parametrize("head_dim,page,block_kv,group_size,num_splits,num_stages,head_major", SLOTS_MMA_CASES)
+@gpu_test
+def test_slots_mma_decode_matches_reference(build_module, monkeypatch, head_dim, page, block_kv, group_size, num_splits,
+                                            num_stages, head_major):
+    """fp8 keys in slots on the Gluon kernel against the float64 reference, the cache as vLLM allocates it
+    (head-major) or as make_cache does: ragged lengths around tile and page bounds (and 0)."""
+    config = mma_config("k8v4", head_dim, block_size=page, cache_layout="slots")
+    module = build_module(config)
+    spy = _spy(module, monkeypatch)
+    check_decode(module, config, "cuda", MANY_LENS, group_size=group_size, block_kv=block_kv, num_splits=num_splits,
+                 num_warps=1, num_stages=num_stages, head_major=head_major)
+    assert len(spy.launches) == 1 and spy.launches[0][2]["STAGES"] == num_stages
+
+
 @pytest.mark.parametrize("variant", ["no_norm_correction", "asymmetric_codebook", "fp16_query", "bf16_query",
                                      "strided_query", "two_bit_keys", "fp8_fp16_query", "fp8_bf16_query",
                                      "fp8_strided_query", "four_bit_keys_three_bit_values",
@@ -410,12 +500,13 @@ def test_mma_and_dot_kernels_agree(build_module, monkeypatch, preset, block_kv, 
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 3])
-@pytest.mark.parametrize("preset", ["k3v4", "k3v3", "k8v4"])
+@pytest.mark.parametrize("preset", ["k3v4", "k3v3", "k8v4", "k8v4-slots"])
 @gpu_test
 def test_mma_decode_masks_block_ids_outside_the_cache(build_module, monkeypatch, preset, num_stages):
     """With validate=False, pages whose block id is outside the cache are masked (their tokens read
     block 0, whose fields must not leak, NaN included): attention over the remaining tokens."""
-    config = mma_config(preset)
+    preset, _, layout = preset.partition("-")
+    config = mma_config(preset, cache_layout=layout or "planes")
     module = build_module(config)
     spy = _spy(module, monkeypatch)
     cache, codebook, generator = _stored_cache(module, config, num_blocks=6, first_slot=16, tokens=64, seed=0)  # blocks 1..4
@@ -435,10 +526,11 @@ def test_mma_decode_masks_block_ids_outside_the_cache(build_module, monkeypatch,
 
 
 @pytest.mark.parametrize("num_stages", [1, 3])
-@pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
+@pytest.mark.parametrize("preset", ["k3v4", "k8v4", "k8v4-slots"])
 @gpu_test
 def test_mma_decode_replays_in_a_cuda_graph(build_module, monkeypatch, preset, num_stages):
-    config = mma_config(preset)
+    preset, _, layout = preset.partition("-")
+    config = mma_config(preset, cache_layout=layout or "planes")
     module = build_module(config)
     spy = _spy(module, monkeypatch)
     cache, codebook, generator = _stored_cache(module, config, num_blocks=64, first_slot=0, tokens=1024, seed=1)

@@ -304,15 +304,18 @@ sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
 import ptx_probe, tqgen
 from tqgen import config as config_mod
 folder = tempfile.mkdtemp(prefix="tqgen-multi-mma-")
-for preset, q_len, group_size, block_kv, stages in json.loads(sys.argv[1]):
-    config = dataclasses.replace(config_mod.load(f"configs/{preset}-d128-planes.yaml"), arch="sm90")
+for stem, q_len, group_size, block_kv, stages in json.loads(sys.argv[1]):
+    config = dataclasses.replace(config_mod.load(f"configs/{stem}.yaml"), arch="sm90")
     compiled = ptx_probe.compile_multi_stage1_mma(tqgen.load(config, folder), block_kv, group_size, q_len,
                                                   stages=stages)
     ptx = compiled.asm["ptx"]
     print(json.dumps(dict(mma=ptx.count("mma.sync.aligned.m16n8k16"), shared_bytes=compiled.metadata.shared)))
 """
-COMPILE_CASES = [("k3v4", 4, 4, 32, 2), ("k3v4", 2, 4, 64, 1), ("k3v3", 3, 4, 32, 2), ("k4v4", 8, 1, 64, 2),
-                 ("k8v4", 2, 8, 32, 1), ("k8v4", 4, 4, 64, 2), ("k3v4", 8, 4, 32, 2)]
+COMPILE_CASES = [  # (config stem, q_len, group_size, block_kv, stages)
+    ("k3v4-d128-planes", 4, 4, 32, 2), ("k3v4-d128-planes", 2, 4, 64, 1), ("k3v3-d128-planes", 3, 4, 32, 2),
+    ("k4v4-d128-planes", 8, 1, 64, 2), ("k8v4-d128-planes", 2, 8, 32, 1), ("k8v4-d128-planes", 4, 4, 64, 2),
+    ("k3v4-d128-planes", 8, 4, 32, 2), ("k8v4-d128", 4, 4, 32, 2), ("k8v4-d128", 2, 8, 64, 1),  # slots: fp8 keys
+]
 
 
 def test_the_gluon_multi_token_kernel_compiles_for_sm90():
@@ -327,10 +330,10 @@ def test_the_gluon_multi_token_kernel_compiles_for_sm90():
     assert result.returncode == 0, result.stderr[-3000:]
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(reports) == len(COMPILE_CASES)
-    for (preset, q_len, group_size, block_kv, stages), report in zip(COMPILE_CASES, reports):
+    for (stem, q_len, group_size, block_kv, stages), report in zip(COMPILE_CASES, reports):
         columns = min(q_len, 16 // group_size) * group_size  # the tokens of one program (8 x 4: two programs)
         column_blocks = max(8, 1 << (columns - 1).bit_length()) // 8
-        assert report["mma"] == 2 * (block_kv // 16) * (128 // 16) * column_blocks, (preset, q_len, group_size)
+        assert report["mma"] == 2 * (block_kv // 16) * (128 // 16) * column_blocks, (stem, q_len, group_size)
         assert (report["shared_bytes"] > 0) == (stages > 1)
 
 

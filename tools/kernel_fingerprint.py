@@ -104,6 +104,8 @@ def specializations(module):
             for group_size, dependent, stages in ((4, False, 1), (1, True, 1), (8, False, 1), (16, False, 1),
                                                   (4, False, 2), (4, False, 3), (1, True, 2)):
                 constants = module._mma_stage1_constants(block_kv, group_size, dependent, stages)
+                if "TOKEN_STRIDE" in module.tq_decode_stage1_mma.arg_names:  # slots: the head-major cache of vLLM
+                    constants = dict(constants, TOKEN_STRIDE=module.SLOT_BYTES)
                 options = dict(module._mma_stage1_options(block_kv, group_size))
                 warps = options.pop("num_warps")
                 specs.append((f"stage1_mma_kv{block_kv}_g{group_size}_dep{int(dependent)}_st{stages}",

@@ -84,18 +84,32 @@ def compile_stage1(module, block_kv: int, warps: int, stages: int, rotate_query:
     return _compile_sm90(kernel, constants, POINTER_TYPES, ("stride_",), warps, stages)
 
 
+def _slots_cache_specialization(module, head_major: bool) -> tuple[dict, tuple[str, ...]]:
+    """A slots cache's launch of the Gluon stage 1: its TOKEN_STRIDE and which strides a launch specializes as
+    multiples of 16. Head-major (vLLM's allocation, 8 KV heads): a position is one slot on, a head one page;
+    position-major (tqgen's own): a position is 8 slots on, a head one slot, rarely a multiple of 16."""
+    if not hasattr(module, "PAGE_BYTES") and "TOKEN_STRIDE" in module.tq_decode_stage1_mma.arg_names:
+        if head_major:
+            return {"TOKEN_STRIDE": module.SLOT_BYTES}, ("stride_",)
+        return {"TOKEN_STRIDE": 8 * module.SLOT_BYTES}, ("stride_cache_block", "stride_cache_pos", "stride_query",
+                                                         "stride_table")
+    return {}, ("stride_",)
+
+
 def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_launch: bool = False, stages: int = 1,
-                       rotate_query: bool = False):
+                       rotate_query: bool = False, head_major: bool = True):
     """The Gluon stage 1 (tq_decode_stage1_mma) with the constants decode gives it (one warp); stages >= 2
     compiles its cp.async ring of that many tiles; rotate_query the specialization that rotates the caller's
-    query itself (MSE keys under the config's Hadamard rotation)."""
+    query itself (MSE keys under the config's Hadamard rotation); head_major (slots configs) the cache as
+    vLLM allocates it, else as tqgen's slots layout lays it out."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     extra = {"rotate_query": True} if rotate_query else {}
-    constants = module._mma_stage1_constants(block_kv, group_size, dependent_launch, stages, **extra)
+    constants = dict(module._mma_stage1_constants(block_kv, group_size, dependent_launch, stages, **extra))
+    cache_constants, aligned = _slots_cache_specialization(module, head_major)
     options = dict(module._mma_stage1_options(block_kv, group_size))
-    return _compile_sm90(module.tq_decode_stage1_mma, constants, POINTER_TYPES, ("stride_",), options.pop("num_warps"), 1,
-                         GluonASTSource, **options)
+    return _compile_sm90(module.tq_decode_stage1_mma, {**constants, **cache_constants}, POINTER_TYPES, aligned,
+                         options.pop("num_warps"), 1, GluonASTSource, **options)
 
 
 def compile_multi_stage1_mma(module, block_kv: int, group_size: int, q_len: int, dependent_launch: bool = False,
@@ -105,8 +119,9 @@ def compile_multi_stage1_mma(module, block_kv: int, group_size: int, q_len: int,
     from triton.experimental.gluon._runtime import GluonASTSource
 
     constants = module._multi_mma_constants(block_kv, group_size, q_len, dependent_launch, stages)
+    cache_constants, aligned = _slots_cache_specialization(module, head_major=True)
     options = dict(module._mma_stage1_options(block_kv, constants["TOKENS_PER_PROGRAM"] * group_size))
-    return _compile_sm90(module.tq_decode_multi_stage1_mma, constants, POINTER_TYPES, ("stride_",),
+    return _compile_sm90(module.tq_decode_multi_stage1_mma, {**constants, **cache_constants}, POINTER_TYPES, aligned,
                          options.pop("num_warps"), 1, GluonASTSource, **options)
 
 

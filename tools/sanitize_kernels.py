@@ -4,7 +4,7 @@
 
 Ragged batches end mid-page, the block table has unused columns, and the
 cache has unused blocks, so any read past a sequence's tokens or write outside
-the given slots shows up as an error; racecheck sees the Gluon stage 1's shared-memory ring (planes).
+the given slots shows up as an error; racecheck sees the Gluon stage 1's shared-memory ring (planes, and slots with fp8 keys).
 """
 
 import sys
@@ -30,11 +30,17 @@ for path in paths:
     query = torch.randn(5, 12, config.head_dim, device="cuda", dtype=torch.float16)  # group size 3
     for num_splits in (1, 4):
         module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=num_splits, **kwargs)
-    # The Gluon stage 1's cp.async ring (planes): every depth the tuner may pick, both tile sizes, one warp.
-    ring = [(block_kv, stages) for block_kv in (32, 64) for stages in (2, 3)] if config.cache_layout == "planes" else []
-    for block_kv, stages in ring:
-        module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=3, block_kv=block_kv, num_warps=1,
-                      num_stages=stages, **kwargs)
+    # The Gluon stage 1's cp.async ring (planes, and slots with fp8 keys): every depth the tuner may pick, both tile
+    # sizes, one warp; in slots also on the cache as vLLM allocates it (head-major: its position stride differs).
+    gluon = hasattr(module, "tq_decode_stage1_mma")
+    ring = [(block_kv, stages) for block_kv in (32, 64) for stages in (2, 3)] if gluon else []
+    caches = [cache]
+    if ring and config.cache_layout == "slots":
+        caches.append(cache.transpose(1, 2).contiguous().transpose(1, 2))
+    for ring_cache in caches:
+        for block_kv, stages in ring:
+            module.decode(query, ring_cache, batch.block_table, batch.seq_lens, num_splits=3, block_kv=block_kv,
+                          num_warps=1, num_stages=stages, **kwargs)
     module.dequantize(cache, batch.block_table, batch.seq_lens, **kwargs)
     torch.cuda.synchronize()
     print(f"{path}: store, decode (1 and 4 splits{', the ring' if ring else ''}), dequantize ran", flush=True)

@@ -291,6 +291,16 @@ class Layout:
             rows.append(("padding", self.used_bytes, self.slot_bytes - self.used_bytes))
         return rows
 
+    @property
+    def slot_fields_word_aligned(self) -> bool:
+        """Whether every field of a slot starts 4-byte aligned in every slot ("slots": the slot size and
+        each field's offset are multiples of 4, as for fp8 keys with 4-bit values at head dims that are
+        multiples of 8), so that 4-byte copies can move them (cp.async copies no less)."""
+        offsets = [self.key_code_offset, self.value_code_offset, self.value_scale_offset]
+        if not self.key_fp8:
+            offsets.append(self.key_norm_offset)
+        return math.gcd(self.slot_bytes, *offsets) % 4 == 0
+
     def constants(self) -> dict[str, int]:
         """The layout as the UPPER_CASE constants baked into emitted modules."""
         out = {

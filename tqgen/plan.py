@@ -13,7 +13,10 @@ Decisions, each with its reason:
 - `mma_stage1`: the Gluon stage 1 on mma.sync exists for "planes" at head_dim 64, 128
   or 256 (each lane then decodes whole units of a record) with MSE keys or hardware
   fp8, and 4-bit values, or 3-bit values from head_dim 128 (a lane's low-bit words then
-  fill 32-bit loads).
+  fill 32-bit loads); and for "slots" with hardware fp8 keys and 4-bit values, whose
+  fields and slots are 4-byte aligned (`Layout.slot_fields_word_aligned`): the same
+  decode, fed by 4-byte copies of each token's fields. "slots" MSE keys are one packed
+  bit stream per token with 2-byte aligned slots and uncorrected norms: not there.
 - `stage1_rotates_query`: "planes" MSE keys under the Hadamard rotation at head_dim 128
   (the only one timed): the tl.dot stage 1 can rotate the query itself at small batches,
   one launch fewer than tq_prepare_query.
@@ -27,6 +30,7 @@ Decisions, each with its reason:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from . import codebook
 from .config import Config
@@ -145,7 +149,8 @@ class Plan:
         layout = self.layout
         keys_ok = not layout.key_fp8 or self.fp8_hardware
         values_ok = layout.value_bits == 4 or (layout.value_bits == 3 and layout.head_dim >= 128)
-        return layout.planes and keys_ok and values_ok and layout.head_dim in MMA_HEAD_DIMS
+        slots_ok = layout.key_fp8 and layout.value_bits == 4 and layout.slot_fields_word_aligned
+        return (layout.planes or slots_ok) and keys_ok and values_ok and layout.head_dim in MMA_HEAD_DIMS
 
     @property
     def symmetric_key_lookup(self) -> bool:
@@ -207,7 +212,7 @@ class Plan:
     def needs_ptx(self) -> bool:
         """Whether the kernels use PTX helpers (byte permutes, fp16 pairs): planes MSE keys' codebook
         lookup and the Gluon stage 1's value codes."""
-        return self.planes and (self.mma_stage1 or not self.key_fp8)
+        return self.mma_stage1 or (self.planes and not self.key_fp8)
 
     @property
     def halfword_loads(self) -> bool:
@@ -250,11 +255,22 @@ class Plan:
     def ring_fields(self) -> list[RingField]:
         """What the Gluon stage 1's cp.async ring copies per tile, plane by plane: the same words its direct
         loads read (keys as group words, or fp8 bytes; split 3-bit codes as their low and high streams), in
-        the same register layouts. Empty unless mma_stage1."""
+        the same register layouts. In "slots" (fp8 keys) a field starts at its slot offset and a token's
+        units TOKEN_STRIDE bytes (the cache's position stride, a kernel constant) after the previous one's,
+        every copy 4 bytes. Empty unless mma_stage1."""
         if not self.mma_stage1:
             return []
         layout, words = self.layout, self.D // 8
         keys, values = layout.key_codes, layout.value_codes
+        if not self.planes:
+            alignment = math.gcd(16, layout.slot_bytes, keys.offset, values.offset, layout.value_scale_offset)
+            return [
+                RingField("key", "gl.uint8", 1, self.D, "_KEY_CODE_OFFSET", "TOKEN_STRIDE", alignment, "KEY_TILE"),
+                RingField("value", "gl.int32", 4, words, "_VALUE_CODE_OFFSET", "TOKEN_STRIDE", alignment,
+                          "VALUE_TILE"),
+                RingField("scale_zero", "gl.int32", VALUE_SCALE_ZERO_BYTES, 0, "_VALUE_SCALE_OFFSET", "TOKEN_STRIDE",
+                          alignment, "TOKENS"),
+            ]
         fields = []
         if self.key_fp8:
             fields.append(RingField("key", "gl.uint8", 1, self.D, "_KEY_CODE_PLANE", "_KEY_CODE_BYTES",

@@ -103,8 +103,10 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_heads: int, device,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, head_major: bool = False) -> torch.Tensor:
     """A random cache in the config's layout, with plausible fields: fp16 norm/scale/zero in range, fp8 keys of N(0, 1) keys.
+    `head_major` (slots): laid out as vLLM allocates it, [num_blocks, num_kv_heads, page, slot] underneath, viewed
+    in the slots layout's dim order.
 
     Random fp8 bytes would give keys up to 240 and softmax weights so peaked that
     fp16 rounding of the query alone exceeds the tuner's tolerance. `generator`
@@ -128,20 +130,21 @@ def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_hea
         cache[..., : config.head_dim] = keys.to(torch.float8_e4m3fn).view(torch.uint8)
     layout = Layout.from_config(config)
     if not layout.planes:
-        return cache
+        return cache.transpose(1, 2).contiguous().transpose(1, 2) if head_major else cache
     # The reference conversion unpacks codes to int64 bits: a block at a time keeps a large cache in memory.
     return torch.cat([reference.slots_to_pages(layout, blocks) for blocks in cache.split(1024)])
 
 
 def random_problem(module: ModuleType, config: Config, batch: int, context: int, num_q_heads: int,
-                   num_kv_heads: int, device, generator: torch.Generator | None = None) -> dict:
+                   num_kv_heads: int, device, generator: torch.Generator | None = None, head_major: bool = False) -> dict:
     """A full-length decode batch over a random cache in shuffled blocks: cache, block_table, seq_lens, query.
 
-    `generator` (on `device`) makes the problem reproducible; None draws from torch's global one.
+    `generator` (on `device`) makes the problem reproducible; None draws from torch's global one; `head_major`
+    as random_cache's.
     """
     blocks_per_seq = -(-context // config.block_size)
     return {
-        "cache": random_cache(module, config, batch * blocks_per_seq, num_kv_heads, device, generator),
+        "cache": random_cache(module, config, batch * blocks_per_seq, num_kv_heads, device, generator, head_major),
         "block_table": torch.randperm(batch * blocks_per_seq, device=device, generator=generator).to(torch.int32)
                             .view(batch, blocks_per_seq),
         "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=device),
