@@ -145,8 +145,9 @@ COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correct
     # slots (fp8 keys), the cache as vLLM allocates it (head-major) and in tqgen's own dim order
     *[("k8v4", 128, 16, kv, 4, True, stages, False, order) for kv in (32, 64) for stages in [1] + RING_STAGES
       for order in ("slots-head-major", "slots-position-major")],
-    ("k8v4", 64, 16, 32, 4, True, 2, False, "slots-head-major"), ("k8v4", 256, 64, 32, 4, True, 2, False, "slots-head-major"),
-    ("k8v4", 128, 16, 32, 16, True, 2, False, "slots-head-major"), ("k8v4", 128, 16, 64, 1, True, 1, False, "slots-head-major"),
+    *[("k8v4", head_dim, page, block_kv, group_size, True, stages, False, "slots-head-major")
+      for head_dim, page, block_kv, group_size, stages in [(64, 16, 32, 4, 2), (256, 64, 32, 4, 2), (128, 16, 32, 16, 2),
+                                                           (128, 16, 64, 1, 1)]],
 ]
 
 

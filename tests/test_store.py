@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from conftest import (HAS_CUDA, KERNEL_FORMATS, PRESETS, codebook_kwargs, make_config, planes_config,
-                      planes_config_of, stored_cache)
+from conftest import (HAS_CUDA, KERNEL_FORMATS, PRESETS, KernelRecorder, codebook_kwargs, make_config,
+                      planes_config, planes_config_of, stored_cache)
 from tqgen import codebook, reference
 from tqgen.layout import Layout
 from tqgen.plan import Plan
@@ -65,6 +65,38 @@ def test_negative_slots_are_skipped_and_nothing_else_changes(device, build_modul
     written[kept // config.block_size, kept % config.block_size] = True
     assert torch.all(cache.cpu()[~written] == SENTINEL)
     assert not torch.all(cache.cpu()[written] == SENTINEL)
+
+
+@pytest.mark.parametrize("head_dim", [128, 96])
+@pytest.mark.parametrize("kind,words", [("position_major", True), ("head_major", True), ("odd_head_stride", False)])
+def test_fp8_slots_are_stored_in_words_where_the_cache_keeps_them_aligned(device, build_module, monkeypatch, head_dim,
+                                                                          kind, words):
+    """fp8 keys with 4-bit values: every field of a slot starts 4-byte aligned, so the store writes 32-bit words
+    (WORDS) into caches whose address and strides keep them so, in either dim order, and 16-bit halves into any
+    other view (slots 198 bytes apart here): the reference's bytes either way, the padding between slots kept."""
+    config = make_config("k8v4", head_dim=head_dim)
+    module = build_module(config)
+    assert Plan.from_config(config).word_stores
+    recorder = KernelRecorder(module.tq_store)
+    monkeypatch.setattr(module, "tq_store", recorder)
+    batch = paged_batch(config, [1, 15, 17, 40], num_kv_heads=2, device=device,
+                        generator=torch.Generator().manual_seed(head_dim))
+    shape = (batch.num_blocks, config.block_size, 2, module.SLOT_BYTES)
+    if kind == "head_major":
+        cache = torch.full((batch.num_blocks, 2, config.block_size, module.SLOT_BYTES), SENTINEL, dtype=torch.uint8,
+                           device=device).transpose(1, 2)
+    elif kind == "odd_head_stride":
+        padded = torch.full((*shape[:3], module.SLOT_BYTES + 2), SENTINEL, dtype=torch.uint8, device=device)
+        cache = padded[..., :module.SLOT_BYTES]
+    else:
+        cache = torch.full(shape, SENTINEL, dtype=torch.uint8, device=device)
+    expected = cache.clone()
+    module.store(batch.key, batch.value, cache, batch.slot_mapping)
+    reference.store(Layout.from_config(config), batch.key, batch.value, expected, batch.slot_mapping)
+    assert [launch["WORDS"] for _, _, launch in recorder.launches] == [words]
+    assert torch.equal(cache.cpu(), expected.cpu())
+    if kind == "odd_head_stride":
+        assert torch.all(padded[..., module.SLOT_BYTES:].cpu() == SENTINEL)
 
 
 def test_fp8_keys_round_to_nearest_even_and_saturate(device, build_module):

@@ -4,7 +4,8 @@
 
 Ragged batches end mid-page, the block table has unused columns, and the
 cache has unused blocks, so any read past a sequence's tokens or write outside
-the given slots shows up as an error; racecheck sees the Gluon stage 1's shared-memory ring (planes, and slots with fp8 keys).
+the given slots shows up as an error; racecheck sees the Gluon stage 1's shared-memory ring (planes, and
+slots with fp8 keys).
 """
 
 import sys

@@ -215,6 +215,13 @@ class Plan:
         return self.mma_stage1 or (self.planes and not self.key_fp8)
 
     @property
+    def word_stores(self) -> bool:
+        """"slots" whose every field starts 4-byte aligned (fp8 keys, 4-bit values): the store writes 32-bit
+        words where the cache's address and strides keep them aligned (a constexpr the launcher sets), 16-bit
+        halves elsewhere."""
+        return not self.planes and self.layout.slot_fields_word_aligned
+
+    @property
     def halfword_loads(self) -> bool:
         return self.layout.halfword_aligned
 

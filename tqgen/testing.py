@@ -136,7 +136,8 @@ def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_hea
 
 
 def random_problem(module: ModuleType, config: Config, batch: int, context: int, num_q_heads: int,
-                   num_kv_heads: int, device, generator: torch.Generator | None = None, head_major: bool = False) -> dict:
+                   num_kv_heads: int, device, generator: torch.Generator | None = None,
+                   head_major: bool = False) -> dict:
     """A full-length decode batch over a random cache in shuffled blocks: cache, block_table, seq_lens, query.
 
     `generator` (on `device`) makes the problem reproducible; None draws from torch's global one; `head_major`
