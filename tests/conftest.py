@@ -69,11 +69,8 @@ def codebook_kwargs(module, config, device):
 
 
 def head_major_cache(module, num_blocks, num_kv_heads, device):
-    """A slots cache as vLLM allocates it, [num_blocks, num_kv_heads, page, slot] underneath (each KV head's
-    page contiguous), viewed in the slots layout's dim order [num_blocks, page, num_kv_heads, slot]."""
-    storage = torch.zeros(num_blocks, num_kv_heads, module.PAGE_SIZE, module.SLOT_BYTES, dtype=torch.uint8,
-                          device=device)
-    return storage.permute(0, 2, 1, 3)
+    """A fresh slots cache as vLLM allocates it (testing.as_head_major)."""
+    return testing.as_head_major(module.make_cache(num_blocks, num_kv_heads, device))
 
 
 def stored_cache(module, config, seq_lens, device, num_kv_heads=2, seed=0, codebook=None, head_major=False):

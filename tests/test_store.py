@@ -13,7 +13,7 @@ from conftest import (HAS_CUDA, KERNEL_FORMATS, PRESETS, KernelRecorder, codeboo
 from tqgen import codebook, reference
 from tqgen.layout import Layout
 from tqgen.plan import Plan
-from tqgen.testing import DECODE_TOLERANCE, paged_batch, relative_error, store_differences
+from tqgen.testing import DECODE_TOLERANCE, as_head_major, paged_batch, relative_error, store_differences
 
 SENTINEL = 0xA5
 
@@ -81,15 +81,12 @@ def test_fp8_slots_are_stored_in_words_where_the_cache_keeps_them_aligned(device
     monkeypatch.setattr(module, "tq_store", recorder)
     batch = paged_batch(config, [1, 15, 17, 40], num_kv_heads=2, device=device,
                         generator=torch.Generator().manual_seed(head_dim))
-    shape = (batch.num_blocks, config.block_size, 2, module.SLOT_BYTES)
+    cache = module.make_cache(batch.num_blocks, 2, device).fill_(SENTINEL)
     if kind == "head_major":
-        cache = torch.full((batch.num_blocks, 2, config.block_size, module.SLOT_BYTES), SENTINEL, dtype=torch.uint8,
-                           device=device).transpose(1, 2)
+        cache = as_head_major(cache)
     elif kind == "odd_head_stride":
-        padded = torch.full((*shape[:3], module.SLOT_BYTES + 2), SENTINEL, dtype=torch.uint8, device=device)
+        padded = torch.full((*cache.shape[:3], module.SLOT_BYTES + 2), SENTINEL, dtype=torch.uint8, device=device)
         cache = padded[..., :module.SLOT_BYTES]
-    else:
-        cache = torch.full(shape, SENTINEL, dtype=torch.uint8, device=device)
     expected = cache.clone()
     module.store(batch.key, batch.value, cache, batch.slot_mapping)
     reference.store(Layout.from_config(config), batch.key, batch.value, expected, batch.slot_mapping)

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tqgen  # noqa: E402
 from tqgen import emit  # noqa: E402
-from tqgen.testing import codebook_kwargs, paged_batch  # noqa: E402
+from tqgen.testing import as_head_major, codebook_kwargs, paged_batch  # noqa: E402
 
 paths = sys.argv[1:] or sorted(str(p) for p in Path(__file__).resolve().parent.parent.glob("configs/*.yaml"))
 for path in paths:
@@ -37,7 +37,7 @@ for path in paths:
     ring = [(block_kv, stages) for block_kv in (32, 64) for stages in (2, 3)] if gluon else []
     caches = [cache]
     if ring and config.cache_layout == "slots":
-        caches.append(cache.transpose(1, 2).contiguous().transpose(1, 2))
+        caches.append(as_head_major(cache))
     for ring_cache in caches:
         for block_kv, stages in ring:
             module.decode(query, ring_cache, batch.block_table, batch.seq_lens, num_splits=3, block_kv=block_kv,

@@ -18,7 +18,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tqgen  # noqa: E402
 from tqgen import emit  # noqa: E402
-from tqgen.testing import codebook_kwargs  # noqa: E402
+from tqgen.testing import as_head_major, codebook_kwargs  # noqa: E402
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     num_blocks = -(-args.tokens // config.block_size)
     caches = {"make_cache": module.make_cache(num_blocks, heads, "cuda")}
     if config.cache_layout == "slots":
-        caches["head-major"] = caches["make_cache"].transpose(1, 2).contiguous().transpose(1, 2)
+        caches["head-major"] = as_head_major(caches["make_cache"])
     slots = torch.randperm(num_blocks * config.block_size, device="cuda")[:args.tokens]
     codebook = codebook_kwargs(module, "cuda")
     nbytes = 2 * key.numel() * key.element_size() + args.tokens * heads * module.SLOT_BYTES

@@ -33,7 +33,7 @@ import torch
 
 from .config import Config
 from .files import write_atomic
-from .testing import codebook_kwargs, random_problem
+from .testing import as_head_major, codebook_kwargs, random_problem
 from .tuned_files import LAUNCH_FIELDS, ROTATE_FIELD, candidate_id
 
 SEED_LAUNCH = dict(num_splits=32, block_kv=32, num_warps=1, num_stages=1)
@@ -176,9 +176,7 @@ def bench_vllm_decode(module: ModuleType, config: Config, batch: int, context: i
     if config.cache_layout == "planes":  # the pages [num_blocks, Hk, block_size * slot] are the allocation
         head_major = cache.view(cache.shape[0], num_kv_heads, config.block_size, slot_bytes).transpose(1, 2)
     else:
-        head_major = torch.empty(cache.shape[0], num_kv_heads, config.block_size, slot_bytes, dtype=torch.uint8,
-                                 device=device).transpose(1, 2)
-        head_major.copy_(cache)
+        head_major = as_head_major(cache)
     codebook = codebook_kwargs(module, device)
     rotation = codebook.get("rotation")
     pi = rotation.t().contiguous() if rotation is not None else None  # vLLM's PiT is tqgen's rotation

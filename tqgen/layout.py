@@ -292,14 +292,20 @@ class Layout:
         return rows
 
     @property
-    def slot_fields_word_aligned(self) -> bool:
-        """Whether every field of a slot starts 4-byte aligned in every slot ("slots": the slot size and
-        each field's offset are multiples of 4, as for fp8 keys with 4-bit values at head dims that are
-        multiples of 8), so that 4-byte copies can move them (cp.async copies no less)."""
+    def slot_field_alignment(self) -> int:
+        """How every field of every slot is aligned in "slots" (slots start 16-byte aligned in a 16-byte aligned
+        cache): gcd(16, the slot size, each field's offset)."""
         offsets = [self.key_code_offset, self.value_code_offset, self.value_scale_offset]
         if not self.key_fp8:
             offsets.append(self.key_norm_offset)
-        return math.gcd(self.slot_bytes, *offsets) % 4 == 0
+        return row_alignment(self.slot_bytes, *offsets)
+
+    @property
+    def slot_fields_word_aligned(self) -> bool:
+        """Whether every field of a slot starts 4-byte aligned in every slot (as for fp8 keys with 4-bit values
+        at head dims that are multiples of 8), so that 4-byte copies and stores can move them (cp.async copies
+        no less)."""
+        return self.slot_field_alignment % 4 == 0
 
     def constants(self) -> dict[str, int]:
         """The layout as the UPPER_CASE constants baked into emitted modules."""

@@ -30,7 +30,6 @@ Decisions, each with its reason:
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from . import codebook
 from .config import Config
@@ -270,7 +269,7 @@ class Plan:
         layout, words = self.layout, self.D // 8
         keys, values = layout.key_codes, layout.value_codes
         if not self.planes:
-            alignment = math.gcd(16, layout.slot_bytes, keys.offset, values.offset, layout.value_scale_offset)
+            alignment = layout.slot_field_alignment
             return [
                 RingField("key", "gl.uint8", 1, self.D, "_KEY_CODE_OFFSET", "TOKEN_STRIDE", alignment, "KEY_TILE"),
                 RingField("value", "gl.int32", 4, words, "_VALUE_CODE_OFFSET", "TOKEN_STRIDE", alignment,

@@ -102,11 +102,16 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
+def as_head_major(cache: torch.Tensor) -> torch.Tensor:
+    """A slots cache's bytes laid out as vLLM allocates them, [num_blocks, num_kv_heads, page, slot] underneath
+    (each KV head's page contiguous), viewed in the slots layout's dim order [num_blocks, page, num_kv_heads, slot]."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_heads: int, device,
                  generator: torch.Generator | None = None, head_major: bool = False) -> torch.Tensor:
     """A random cache in the config's layout, with plausible fields: fp16 norm/scale/zero in range, fp8 keys of N(0, 1) keys.
-    `head_major` (slots): laid out as vLLM allocates it, [num_blocks, num_kv_heads, page, slot] underneath, viewed
-    in the slots layout's dim order.
+    `head_major` (slots): laid out as vLLM allocates it (as_head_major).
 
     Random fp8 bytes would give keys up to 240 and softmax weights so peaked that
     fp16 rounding of the query alone exceeds the tuner's tolerance. `generator`
@@ -130,7 +135,7 @@ def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_hea
         cache[..., : config.head_dim] = keys.to(torch.float8_e4m3fn).view(torch.uint8)
     layout = Layout.from_config(config)
     if not layout.planes:
-        return cache.transpose(1, 2).contiguous().transpose(1, 2) if head_major else cache
+        return as_head_major(cache) if head_major else cache
     # The reference conversion unpacks codes to int64 bits: a block at a time keeps a large cache in memory.
     return torch.cat([reference.slots_to_pages(layout, blocks) for blocks in cache.split(1024)])
 
