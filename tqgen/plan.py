@@ -309,6 +309,10 @@ class Plan:
                                 str(VALUE_SCALE_ZERO_BYTES), 16, "TOKENS"))
         return fields
 
+    def ring_field(self, name: str) -> RingField:
+        """The ring field `name` (ring_fields): where the kernel's direct loads (STAGES 1) find that field too."""
+        return next(field for field in self.ring_fields if field.name == name)
+
     @property
     def split_key_high_unit(self) -> int:
         """Split 3-bit keys in the Gluon stage 1: bytes of the high-bit stream one lane loads per token, one
