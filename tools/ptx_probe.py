@@ -88,12 +88,12 @@ def _slots_cache_specialization(module, head_major: bool) -> tuple[dict, tuple[s
     """A slots cache's launch of the Gluon stage 1: its TOKEN_STRIDE and which strides a launch specializes as
     multiples of 16. Head-major (vLLM's allocation, 8 KV heads): a position is one slot on, a head one page;
     position-major (tqgen's own): a position is 8 slots on, a head one slot, rarely a multiple of 16."""
-    if not hasattr(module, "PAGE_BYTES") and "TOKEN_STRIDE" in module.tq_decode_stage1_mma.arg_names:
-        if head_major:
-            return {"TOKEN_STRIDE": module.SLOT_BYTES}, ("stride_",)
-        return {"TOKEN_STRIDE": 8 * module.SLOT_BYTES}, ("stride_cache_block", "stride_cache_pos", "stride_query",
-                                                         "stride_table")
-    return {}, ("stride_",)
+    if "TOKEN_STRIDE" not in module.tq_decode_stage1_mma.arg_names:  # planes
+        return {}, ("stride_",)
+    if head_major:
+        return {"TOKEN_STRIDE": module.SLOT_BYTES}, ("stride_",)
+    return {"TOKEN_STRIDE": 8 * module.SLOT_BYTES}, ("stride_cache_block", "stride_cache_pos", "stride_query",
+                                                     "stride_table")
 
 
 def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_launch: bool = False, stages: int = 1,
@@ -105,7 +105,7 @@ def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_lau
     from triton.experimental.gluon._runtime import GluonASTSource
 
     extra = {"rotate_query": True} if rotate_query else {}
-    constants = dict(module._mma_stage1_constants(block_kv, group_size, dependent_launch, stages, **extra))
+    constants = module._mma_stage1_constants(block_kv, group_size, dependent_launch, stages, **extra)
     cache_constants, aligned = _slots_cache_specialization(module, head_major)
     options = dict(module._mma_stage1_options(block_kv, group_size))
     return _compile_sm90(module.tq_decode_stage1_mma, {**constants, **cache_constants}, POINTER_TYPES, aligned,
