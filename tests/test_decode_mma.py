@@ -54,8 +54,11 @@ def key_units(config):
     (dict(preset="k8v4", arch="sm90"), True), (dict(preset="k8v4", arch="sm89", head_dim=64), True),
     (dict(preset="k8v4", arch="sm80"), False),  # no e4m3 converter
     (dict(preset="k3v4", head_dim=96, rotation="random"), False),  # not a power of two
-    (dict(preset="k3v4", cache_layout="slots"), False),  # packed 3-bit streams in 2-byte aligned slots
-    (dict(preset="k4v4", cache_layout="slots"), False),
+    # slots with MSE keys and 4-bit values at head_dim 128: 2-byte aligned fields, shifted after the copy
+    (dict(preset="k3v4", cache_layout="slots"), True), (dict(preset="k4v4", cache_layout="slots"), True),
+    (dict(preset="k3v4", cache_layout="slots", norm_correction=False), True),
+    (dict(preset="k3v3", cache_layout="slots"), False),  # a packed 3-bit value stream
+    (dict(preset="k3v4", cache_layout="slots", head_dim=64), False), (dict(preset="k4v4", cache_layout="slots", head_dim=256), False),
     # slots with fp8 keys and 4-bit values: every field 4-byte aligned in every slot
     (dict(preset="k8v4", arch="sm90", cache_layout="slots"), True),
     (dict(preset="k8v4", arch="sm90", cache_layout="slots", head_dim=64), True),
@@ -148,6 +151,12 @@ COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correct
     *[("k8v4", head_dim, page, block_kv, group_size, True, stages, False, "slots-head-major")
       for head_dim, page, block_kv, group_size, stages in [(64, 16, 32, 4, 2), (256, 64, 32, 4, 2), (128, 16, 32, 16, 2),
                                                            (128, 16, 64, 1, 1)]],
+    # slots with MSE keys (2-byte aligned fields; the ring only), in both dim orders of the cache
+    *[(preset, 128, 16, kv, 4, True, stages, False, order) for preset in ("k3v4", "k4v4") for kv in (32, 64)
+      for stages in RING_STAGES for order in ("slots-head-major", "slots-position-major")],
+    *[(preset, 128, page, block_kv, group_size, norm_correction, 2, False, "slots-head-major")
+      for preset in ("k3v4", "k4v4") for page, block_kv, group_size, norm_correction in [
+          (64, 32, 4, True), (128, 64, 4, True), (16, 32, 1, True), (16, 32, 16, True), (16, 32, 4, False)]],
 ]
 
 
@@ -201,16 +210,18 @@ def compiled_cases():
 def test_every_launch_compiles_for_sm90(compiled_cases, case):
     """The launches decode gives the kernel compile (triton's compiler rejects what its interpreter
     accepts), with one m16n8k16 MMA per 16 x 8 x 16 block of each product: the scores and the output,
-    nothing for the norm correction ("planes" stores corrected norms). One stage uses no shared memory;
-    the ring holds `stages` tiles of exactly the bytes a tile's tokens use, copied by cp.async as wide as
-    each plane's alignment allows (16 bytes for every plane at head_dim 128 and 256; 4 bytes in slots, where
-    fp8 keys' slots and fields are 4-byte aligned, in either dim order of the cache)."""
+    nothing for the norm correction ("planes" stores corrected norms; MSE keys in slots sum their squared
+    centroids in one product more). One stage uses no shared memory; the ring holds `stages` tiles of exactly
+    the bytes a tile's tokens use, copied by cp.async as wide as each plane's alignment allows (16 bytes for
+    every plane at head_dim 128 and 256; 4 bytes in slots, where fp8 keys' slots and fields are 4-byte aligned,
+    in either dim order of the cache); slots with MSE keys copy the words that hold each field, a few more."""
     preset, head_dim, page, block_kv, group_size, norm_correction, stages, rotate, layout = case_fields(case)
     report = compiled_cases[case]
     columns = max(8, 1 << (group_size - 1).bit_length()) // 8
     key_mmas = (block_kv // 16) * (head_dim // 16) * columns
     value_mmas = (head_dim // 16) * (block_kv // 16) * columns
-    assert report["mma"] == key_mmas + value_mmas
+    halfword_slots = layout != "planes" and PRESETS[preset]["key_format"] == "mse"
+    assert report["mma"] == key_mmas * (2 if halfword_slots and norm_correction else 1) + value_mmas
     if rotate:  # the rotated query goes to the MMA's operand layout through shared memory
         assert report["shared_ops"] > 0 and report["shared_bytes"] > 0
     if stages == 1:
@@ -218,7 +229,11 @@ def test_every_launch_compiles_for_sm90(compiled_cases, case):
         assert report["copy_bytes"] == []
     else:
         plan = Plan.from_config(mma_config(preset, head_dim, block_size=page, cache_layout=layout.split("-")[0]))
-        ring_bytes = stages * block_kv * plan.layout.used_bytes
+        token_bytes = sum((buffer.units or 1) * buffer.unit_bytes for buffer in plan.ring_buffers)
+        # Every used byte once; slots with MSE keys: 18 words from the norm in a row of 32, 16 key words (3-bit:
+        # 13 distinct) and the words after the lanes' runs.
+        assert token_bytes == plan.layout.used_bytes if not halfword_slots else token_bytes > plan.layout.used_bytes
+        ring_bytes = stages * block_kv * token_bytes
         # The conversion's scratch may share the ring's memory (it is dead before the loop) or lie beside it.
         assert report["shared_bytes"] == ring_bytes if not rotate else report["shared_bytes"] >= ring_bytes
         assert report["copy_bytes"] == sorted({field.vector * field.unit_bytes for field in plan.ring_fields})
@@ -282,6 +297,18 @@ def test_decode_takes_the_mma_kernel_where_it_can(build_module, monkeypatch, pre
         assert len(prepare.launches) == (0 if rotates or preset == "k8v4" else 1)
 
 
+def _record_stage1(module, monkeypatch, expect_mma):
+    """Recorders in place of both stage-1 kernels, on a GPU that can run the Gluon one (any machine); stage 2
+    recorded too where the Gluon recorder writes nothing. (mma recorder, tl.dot recorder)"""
+    monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)
+    mma, dot = KernelRecorder(), KernelRecorder(module.tq_decode_stage1)
+    monkeypatch.setattr(module, "tq_decode_stage1_mma", mma)
+    monkeypatch.setattr(module, "tq_decode_stage1", dot)
+    if expect_mma:
+        monkeypatch.setattr(module, "tq_decode_stage2", KernelRecorder())
+    return mma, dot
+
+
 def _slots_cache(module, kind, num_blocks, num_kv_heads, device):
     """A k8v4 slots cache: as vLLM allocates it, as make_cache does, or views whose slot fields are not
     4-byte aligned (a first byte 4 bytes into an allocation; slots 198 bytes apart)."""
@@ -306,12 +333,7 @@ def test_slots_decode_takes_the_mma_kernel_where_its_copies_stay_aligned(build_m
     config = mma_config("k8v4", cache_layout="slots")
     module = build_module(config)
     device = "cuda" if HAS_CUDA else "cpu"
-    monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)  # a GPU that can, on any machine
-    mma, dot = KernelRecorder(), KernelRecorder(module.tq_decode_stage1)
-    monkeypatch.setattr(module, "tq_decode_stage1_mma", mma)
-    monkeypatch.setattr(module, "tq_decode_stage1", dot)
-    if expect_mma:
-        monkeypatch.setattr(module, "tq_decode_stage2", KernelRecorder())  # the recorded stage 1 wrote nothing
+    mma, dot = _record_stage1(module, monkeypatch, expect_mma)
     cache = _slots_cache(module, kind, 8, 2, device)
     table = torch.arange(8, dtype=torch.int32, device=device).view(2, 4)
     query = torch.randn(2, 8, 128, device=device)
@@ -321,6 +343,34 @@ def test_slots_decode_takes_the_mma_kernel_where_its_copies_stay_aligned(build_m
     if expect_mma:
         _, args, launch = mma.launches[0]
         assert launch["TOKEN_STRIDE"] == cache.stride(1) and launch["STAGES"] == 2 and args[1] is cache
+
+
+@pytest.mark.parametrize("preset", ["k3v4", "k4v4"])
+@pytest.mark.parametrize("kind,stages,expect_mma", [
+    ("head_major", 2, True), ("position_major", 2, True), ("position_major", 3, True), ("head_major", 1, False),
+    ("unaligned_start", 2, False), ("halfword_start", 2, False), ("odd_head_stride", 2, True)])
+def test_mse_slots_decode_takes_the_mma_kernel_through_its_ring(build_module, monkeypatch, preset, kind, stages,
+                                                                expect_mma):
+    """MSE keys in slots: the Gluon kernel copies the 32-bit words that hold each 2-byte aligned field, through its
+    ring only, so it takes caches whose first byte is 16-byte aligned and whose block stride is a multiple of 4
+    (even position and head strides: fields start at byte 0 or 2 of a word), with at least 2 stages."""
+    config = mma_config(preset, cache_layout="slots")
+    module = build_module(config)
+    device = "cuda" if HAS_CUDA else "cpu"
+    mma, dot = _record_stage1(module, monkeypatch, expect_mma)
+    if kind == "halfword_start":  # every slot 2 bytes into a word
+        flat = torch.zeros(8 * module.PAGE_SIZE * 2 * module.SLOT_BYTES + 2, dtype=torch.uint8, device=device)
+        cache = flat[2:].view(8, module.PAGE_SIZE, 2, module.SLOT_BYTES)
+    else:
+        cache = _slots_cache(module, kind, 8, 2, device)
+    table = torch.arange(8, dtype=torch.int32, device=device).view(2, 4)
+    query = torch.randn(2, 8, 128, device=device)
+    module.decode(query, cache, table, torch.tensor([40, 64], dtype=torch.int32, device=device), num_warps=1,
+                  block_kv=32, num_splits=2, num_stages=stages, **codebook_kwargs(module, config, device))
+    assert (len(mma.launches), len(dot.launches)) == ((1, 0) if expect_mma else (0, 1))
+    if expect_mma:
+        _, args, launch = mma.launches[0]
+        assert launch["TOKEN_STRIDE"] == cache.stride(1) and launch["STAGES"] == stages and args[1] is cache
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -434,6 +484,33 @@ def test_slots_mma_decode_matches_reference(build_module, monkeypatch, head_dim,
     assert len(spy.launches) == 1 and spy.launches[0][2]["STAGES"] == num_stages
 
 
+MSE_SLOTS_MMA_CASES = [  # (preset, page, block_kv, group_size, num_splits, num_stages, head_major, norm_correction)
+    *[(preset, 16, block_kv, 4, 3, stages, head_major, True) for preset in ("k3v4", "k4v4")
+      for block_kv in sorted(set(tuner.SearchSpace().block_kv)) for stages in RING_STAGES for head_major in (True, False)],
+    *[(preset, page, block_kv, 4, 3, 2, head_major, True) for preset in ("k3v4", "k4v4")
+      for page, block_kv, head_major in [(32, 64, True), (64, 32, True), (128, 32, False), (128, 64, True)]],
+    *[(preset, 16, 32, group_size, num_splits, 2, True, True) for preset in ("k3v4", "k4v4")
+      for group_size in (1, 6, 8, 16) for num_splits in (1, 16)],
+    ("k3v4", 16, 32, 4, 3, 2, True, False), ("k4v4", 16, 64, 4, 3, 3, False, False),
+]
+
+
+@pytest.mark.parametrize("preset,page,block_kv,group_size,num_splits,num_stages,head_major,norm_correction",
+                         MSE_SLOTS_MMA_CASES)
+@gpu_test
+def test_mse_slots_mma_decode_matches_reference(build_module, monkeypatch, preset, page, block_kv, group_size,
+                                                num_splits, num_stages, head_major, norm_correction):
+    """MSE keys in slots on the Gluon kernel (fields shifted out of the copied words, the norm correction from
+    the squared centroids) against the float64 reference, the cache as vLLM allocates it (head-major) or as
+    make_cache does: ragged lengths around tile and page bounds (and 0)."""
+    config = mma_config(preset, block_size=page, cache_layout="slots", norm_correction=norm_correction)
+    module = build_module(config)
+    spy = _spy(module, monkeypatch)
+    check_decode(module, config, "cuda", MANY_LENS, group_size=group_size, block_kv=block_kv, num_splits=num_splits,
+                 num_warps=1, num_stages=num_stages, head_major=head_major)
+    assert len(spy.launches) == 1 and spy.launches[0][2]["STAGES"] == num_stages
+
+
 @pytest.mark.parametrize("variant", ["no_norm_correction", "asymmetric_codebook", "fp16_query", "bf16_query",
                                      "strided_query", "two_bit_keys", "fp8_fp16_query", "fp8_bf16_query",
                                      "fp8_strided_query", "four_bit_keys_three_bit_values",
@@ -500,8 +577,9 @@ def test_mma_and_dot_kernels_agree(build_module, monkeypatch, preset, block_kv, 
     assert relative_error(outputs[0], outputs[1]) < 1e-3
 
 
-@pytest.mark.parametrize("num_stages", [1, 2, 3])
-@pytest.mark.parametrize("preset", ["k3v4", "k3v3", "k8v4", "k8v4-slots"])
+@pytest.mark.parametrize("preset,num_stages", [
+    *[(preset, stages) for preset in ("k3v4", "k3v3", "k8v4", "k8v4-slots") for stages in (1, 2, 3)],
+    *[(preset, stages) for preset in ("k3v4-slots", "k4v4-slots") for stages in (2, 3)]])  # the ring only
 @gpu_test
 def test_mma_decode_masks_block_ids_outside_the_cache(build_module, monkeypatch, preset, num_stages):
     """With validate=False, pages whose block id is outside the cache are masked (their tokens read
@@ -526,8 +604,9 @@ def test_mma_decode_masks_block_ids_outside_the_cache(build_module, monkeypatch,
     assert len(spy.launches) == 3
 
 
-@pytest.mark.parametrize("num_stages", [1, 3])
-@pytest.mark.parametrize("preset", ["k3v4", "k8v4", "k8v4-slots"])
+@pytest.mark.parametrize("preset,num_stages", [
+    *[(preset, stages) for preset in ("k3v4", "k8v4", "k8v4-slots") for stages in (1, 3)],
+    ("k3v4-slots", 2), ("k4v4-slots", 3)])
 @gpu_test
 def test_mma_decode_replays_in_a_cuda_graph(build_module, monkeypatch, preset, num_stages):
     preset, _, layout = preset.partition("-")

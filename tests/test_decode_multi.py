@@ -256,7 +256,8 @@ def test_the_multi_token_path_is_outside_the_decode_hash(stem):
     assert not multi_only & set(render.decode_path(source))
     reached = set(render.decode_path(source, "decode_multi"))
     assert {"tq_decode_multi_stage1", "tq_decode_stage2", "_run_decode"} <= reached
-    assert ("tq_decode_multi_stage1_mma" in reached) == planes
+    # slots: MSE keys have the Gluon kernel on every arch, fp8 keys only where e4m3 converts (not sm80)
+    assert ("tq_decode_multi_stage1_mma" in reached) == (planes or stem == "k3v4-d128")
 
 
 # --- the Gluon kernel (planes) ---------------------------------------------------------------
@@ -315,6 +316,7 @@ COMPILE_CASES = [  # (config stem, q_len, group_size, block_kv, stages)
     ("k3v4-d128-planes", 4, 4, 32, 2), ("k3v4-d128-planes", 2, 4, 64, 1), ("k3v3-d128-planes", 3, 4, 32, 2),
     ("k4v4-d128-planes", 8, 1, 64, 2), ("k8v4-d128-planes", 2, 8, 32, 1), ("k8v4-d128-planes", 4, 4, 64, 2),
     ("k3v4-d128-planes", 8, 4, 32, 2), ("k8v4-d128", 4, 4, 32, 2), ("k8v4-d128", 2, 8, 64, 1),  # slots: fp8 keys
+    ("k3v4-d128", 4, 4, 32, 2), ("k4v4-d128", 2, 8, 64, 3),  # slots: MSE keys (the ring only)
 ]
 
 
@@ -333,7 +335,9 @@ def test_the_gluon_multi_token_kernel_compiles_for_sm90():
     for (stem, q_len, group_size, block_kv, stages), report in zip(COMPILE_CASES, reports):
         columns = min(q_len, 16 // group_size) * group_size  # the tokens of one program (8 x 4: two programs)
         column_blocks = max(8, 1 << (columns - 1).bit_length()) // 8
-        assert report["mma"] == 2 * (block_kv // 16) * (128 // 16) * column_blocks, (stem, q_len, group_size)
+        # MSE keys in slots: one product more, the squared centroids of the norm correction
+        products = 3 if stem in ("k3v4-d128", "k4v4-d128") else 2
+        assert report["mma"] == products * (block_kv // 16) * (128 // 16) * column_blocks, (stem, q_len, group_size)
         assert (report["shared_bytes"] > 0) == (stages > 1)
 
 
@@ -341,12 +345,16 @@ def test_the_gluon_multi_token_kernel_compiles_for_sm90():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("q_len,group_size", [(2, 4), (4, 4), (3, 4), (2, 8), (8, 1), (5, 3), (8, 4), (3, 8)])
 @pytest.mark.parametrize("block_kv,num_stages", [(32, 1), (32, 2), (64, 2), (32, 3)])
-@pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3", "k8v4"])
+@pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3", "k8v4", "k3v4-slots", "k4v4-slots"])
 def test_the_gluon_multi_token_kernel_on_the_gpu(build_module, monkeypatch, preset, q_len, group_size, block_kv,
                                                  num_stages):
     """The Gluon kernel runs (a spy says so) and matches the reference: ragged sequences whose causal limits
-    fall at 1, below a page boundary and past several splits, at every tile size and ring depth."""
-    config = make_config(preset, cache_layout="planes")
+    fall at 1, below a page boundary and past several splits, at every tile size and ring depth (MSE keys in
+    slots: the ring only)."""
+    preset, _, layout = preset.partition("-")
+    if layout == "slots" and num_stages == 1:
+        pytest.skip("MSE keys in slots take the Gluon kernel through its ring only")
+    config = make_config(preset, cache_layout=layout or "planes")
     module = build_module(config)
     spy = KernelRecorder(module.tq_decode_multi_stage1_mma)  # (8, 4), (3, 8): two programs per sequence
     monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", spy)

@@ -365,11 +365,15 @@ def test_heuristic_is_close_to_the_measured_best_on_the_h200(setup, tmp_path):
     """The heuristic's pick, looked up in the committed H200 timing tables (every candidate of every
     bucket of every shipped "slots" config), against each bucket's best: the numbers README.md quotes.
     Each table is read with a module of its key format: fp8 keys as tuned, on sm90's Gluon kernel."""
-    _, mse_module = setup
+    _, mse_module = setup  # head_dim 64: the tl.dot kernel's rule
     fp8_module = emit.load(make_config("k8v4", arch="sm90"), tmp_path)
+    gluon_mse_module = emit.load(make_config("k3v4"), tmp_path)  # head_dim 128, 4-bit values: the Gluon kernel's
+    assert gluon_mse_module.heuristic_launch(32, 8, 16384, 132) != mse_module.heuristic_launch(32, 8, 16384, 132)
     tables = list(_timing_tables(planes=False))
+    gluon_mse = ("tq_kmse3_v4_d128_", "tq_kmse4_v4_d128_")
     ratios = (_heuristic_ratios(fp8_module, [t for t in tables if t[0].startswith("tq_kfp8_")])
-              + _heuristic_ratios(mse_module, [t for t in tables if not t[0].startswith("tq_kfp8_")]))
+              + _heuristic_ratios(gluon_mse_module, [t for t in tables if t[0].startswith(gluon_mse)])
+              + _heuristic_ratios(mse_module, [t for t in tables if not t[0].startswith(("tq_kfp8_", *gluon_mse))]))
     assert len(ratios) >= 76
     assert _geomean(ratios) < 1.03 and max(ratios) < 1.15
 

@@ -15,8 +15,11 @@ Decisions, each with its reason:
   fp8, and 4-bit values, or 3-bit values from head_dim 128 (a lane's low-bit words then
   fill 32-bit loads); and for "slots" with hardware fp8 keys and 4-bit values, whose
   fields and slots are 4-byte aligned (`Layout.slot_fields_word_aligned`): the same
-  decode, fed by 4-byte copies of each token's fields. "slots" MSE keys are one packed
-  bit stream per token with 2-byte aligned slots and uncorrected norms: not there.
+  decode, fed by 4-byte copies of each token's fields; and for "slots" with 3- or 4-bit
+  MSE keys and 4-bit values at head_dim 128 (`mma_halfword_slots`), whose fields are
+  only 2-byte aligned: the copies start at the 4-byte word at or before each field and
+  the reader shifts by 16 bits where the field starts mid-word (one byte permute per
+  word); the norm correction is computed per tile (the slot holds the original norm).
 - `stage1_rotates_query`: "planes" MSE keys under the Hadamard rotation at head_dim 128
   (the only one timed): the tl.dot stage 1 can rotate the query itself at small batches,
   one launch fewer than tq_prepare_query.
@@ -30,6 +33,7 @@ Decisions, each with its reason:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from . import codebook
 from .config import Config
@@ -68,6 +72,12 @@ class RingField:
     record: str  # bytes from one token's units to the next one's
     alignment: int  # bytes: how each token's units are aligned (the widest cp.async they allow)
     read_layout: str  # the constexpr layout the kernel reads them in
+    # "slots" with 2-byte aligned fields (Plan.mma_halfword_slots) only: the shared buffer the units go to when
+    # it is not the field's own, where in its row, and which 32-bit words they are, counted from the word at or
+    # before the field: unit j is word first + j // run * stride + j % run (a gather: lanes take overlapping runs).
+    ring: str = ""
+    row_offset: int = 0
+    words: tuple[int, int, int] = (0, 0, 0)  # (first, run, stride); run 0: unit j is word first + j
 
     @property
     def vector(self) -> int:
@@ -88,8 +98,9 @@ class Plan:
         plan = cls(config, Layout.from_config(config), stage1_variant)
         if stage1_variant not in STAGE1_VARIANTS:
             raise ValueError(f"stage1_variant {stage1_variant!r}: expected one of {', '.join(STAGE1_VARIANTS)}")
-        if stage1_variant != "shipped" and (plan.key_fp8 or not plan.mma_stage1):
-            raise ValueError(f"stage1_variant {stage1_variant!r} exists for the Gluon stage 1 with MSE keys only")
+        if stage1_variant != "shipped" and (plan.key_fp8 or not plan.mma_stage1 or not plan.planes):
+            raise ValueError(f"stage1_variant {stage1_variant!r} exists for the Gluon stage 1 with MSE keys only, "
+                             "in planes")
         return plan
 
     # --- shapes -------------------------------------------------------------
@@ -149,7 +160,18 @@ class Plan:
         keys_ok = not layout.key_fp8 or self.fp8_hardware
         values_ok = layout.value_bits == 4 or (layout.value_bits == 3 and layout.head_dim >= 128)
         slots_ok = layout.key_fp8 and layout.value_bits == 4 and layout.slot_fields_word_aligned
-        return (layout.planes or slots_ok) and keys_ok and values_ok and layout.head_dim in MMA_HEAD_DIMS
+        return ((layout.planes or slots_ok) and keys_ok and values_ok and layout.head_dim in MMA_HEAD_DIMS
+                or self.mma_halfword_slots)
+
+    @property
+    def mma_halfword_slots(self) -> bool:
+        """"slots" with MSE keys on the Gluon stage 1 (3- or 4-bit keys, 4-bit values, head_dim 128): slots are
+        2-byte aligned (their size is 2 mod 4), so every field starts at byte 0 or 2 of a 32-bit word, by the
+        parity of its position. Each token's words are copied from the word at or before each field and shifted
+        by a byte permute per word where the field starts mid-word. Only with a ring (STAGES >= 2)."""
+        layout = self.layout
+        return (not layout.planes and not layout.key_fp8 and layout.key_bits in (3, 4) and layout.value_bits == 4
+                and layout.head_dim == 128)
 
     @property
     def symmetric_key_lookup(self) -> bool:
@@ -268,6 +290,8 @@ class Plan:
             return []
         layout, words = self.layout, self.D // 8
         keys, values = layout.key_codes, layout.value_codes
+        if self.mma_halfword_slots:
+            return self._halfword_ring_fields()
         if not self.planes:
             alignment = layout.slot_field_alignment
             return [
@@ -308,6 +332,54 @@ class Plan:
         fields.append(RingField("scale_zero", "gl.int32", VALUE_SCALE_ZERO_BYTES, 0, "_VALUE_SCALE_PLANE",
                                 str(VALUE_SCALE_ZERO_BYTES), 16, "TOKENS"))
         return fields
+
+    def _halfword_ring_fields(self) -> list[RingField]:
+        """mma_halfword_slots: what the ring copies per token, every copy 4 bytes from the word at or before a field.
+
+        - key: the lane of key-tile column u (4 per token) decodes a quarter of the key's groups, 32 codes: 3-bit
+          codes are words 3u..3u+2 of the field, 4-bit ones 4u..4u+3. Each lane takes one word more, for the
+          16-bit shift: 3-bit keys copy words 3u + i, i < 4 (a gather); 4-bit keys the 16 words, and key_next
+          the word after each lane's four (4u + 4).
+        - tail: the norm, the value codes and the value scale and zero, contiguous in the slot (70 bytes at
+          head_dim 128): 18 words from the word at or before the norm, in a row of 32 (16 copied as "tail", 2
+          as "tail_end"). Value lane g reads tail words 2g and 2g + 1, and value_next the word after them
+          (2g + 2; a ring slice cannot start there).
+        """
+        layout = self.layout
+        assert layout.value_code_offset == layout.key_norm_offset + KEY_NORM_BYTES
+        assert layout.value_scale_offset == layout.value_code_offset + layout.value_code_bytes
+        assert layout.value_code_bytes == 64 and layout.head_dim == 128, "a value lane's 2 words + 1; 18 tail words"
+        code_words = layout.key_code_bytes // 4  # 12 or 16
+        field = functools.partial(RingField, dtype="gl.int32", unit_bytes=4, record="TOKEN_STRIDE", alignment=4)
+        fields = [field(name="key", units=16, plane="_KEY_CODE_OFFSET", read_layout="KEY_TILE",
+                        words=(0, 4, code_words // 4) if code_words == 12 else (0, 0, 0))]
+        if code_words == 16:
+            fields.append(field(name="key_next", units=4, plane="_KEY_CODE_OFFSET", read_layout="KEY_NEXT_TILE",
+                                words=(4, 1, 4)))
+        tail_words = (KEY_NORM_BYTES + layout.value_code_bytes + VALUE_SCALE_ZERO_BYTES + 2 + 3) // 4  # 18
+        fields.append(field(name="tail", units=16, plane="_KEY_NORM_OFFSET", read_layout="VALUE_TILE"))
+        fields.append(field(name="tail_end", units=tail_words - 16, plane="_KEY_NORM_OFFSET",
+                            read_layout="TOKEN_WORDS", ring="tail", row_offset=16, words=(16, 0, 0)))
+        fields.append(field(name="value_next", units=8, plane="_KEY_NORM_OFFSET", read_layout="VALUE_NEXT_TILE",
+                            words=(2, 1, 2)))
+        return fields
+
+    @property
+    def ring_buffers(self) -> list[RingField]:
+        """The ring's shared buffers, one per ring field except those copied into another's row (ring), each as
+        wide as the units copied into its rows (a power of two)."""
+        fields = self.ring_fields
+        buffers = []
+        for field in fields:
+            if field.ring:
+                continue
+            width = max(other.row_offset + other.units for other in fields if (other.ring or other.name) == field.name)
+            buffers.append(dataclasses.replace(field, units=next_power_of_two(width)) if width else field)
+        return buffers
+
+    def ring_buffer_index(self, field: RingField) -> int:
+        """Where field's shared buffer is in ring_buffers (the kernel's `rings` tuple)."""
+        return [buffer.name for buffer in self.ring_buffers].index(field.ring or field.name)
 
     def ring_field(self, name: str) -> RingField:
         """The ring field `name` (ring_fields): where the kernel's direct loads (STAGES 1) find that field too."""
