@@ -103,6 +103,8 @@ def specializations(module):
         for block_kv in (32, 64):
             for group_size, dependent, stages in ((4, False, 1), (1, True, 1), (8, False, 1), (16, False, 1),
                                                   (4, False, 2), (4, False, 3), (1, True, 2)):
+                if stages < module.MMA_MIN_STAGES:  # slots with MSE keys: the ring only
+                    continue
                 constants = module._mma_stage1_constants(block_kv, group_size, dependent, stages)
                 if "TOKEN_STRIDE" in module.tq_decode_stage1_mma.arg_names:  # slots: the head-major cache of vLLM
                     constants = dict(constants, TOKEN_STRIDE=module.SLOT_BYTES)

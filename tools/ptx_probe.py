@@ -289,6 +289,8 @@ def main() -> None:
     if args.mma:
         if not hasattr(module, "tq_decode_stage1_mma"):
             raise SystemExit(f"--mma: {args.config} has no Gluon stage 1 (Plan.mma_stage1)")
+        if args.stages < module.MMA_MIN_STAGES:
+            raise SystemExit(f"--mma: {args.config}'s Gluon stage 1 takes --stages {module.MMA_MIN_STAGES} or more")
         compiled = compile_stage1_mma(module, args.block_kv, args.group_size, stages=args.stages)
     else:
         compiled = compile_stage1(module, args.block_kv, args.warps, args.stages, args.rotate_query)

@@ -167,8 +167,9 @@ class Plan:
     def mma_halfword_slots(self) -> bool:
         """"slots" with MSE keys on the Gluon stage 1 (3- or 4-bit keys, 4-bit values, head_dim 128): slots are
         2-byte aligned (their size is 2 mod 4), so every field starts at byte 0 or 2 of a 32-bit word, by the
-        parity of its position. Each token's words are copied from the word at or before each field and shifted
-        by a byte permute per word where the field starts mid-word. Only with a ring (STAGES >= 2)."""
+        parity of its position and the offset of its head. Each token's words are copied from the word at or
+        before each field and shifted by a byte permute per word where the field starts mid-word. Only with a
+        ring (STAGES >= 2)."""
         layout = self.layout
         return (not layout.planes and not layout.key_fp8 and layout.key_bits in (3, 4) and layout.value_bits == 4
                 and layout.head_dim == 128)
