@@ -15,7 +15,7 @@ import torch
 import triton
 
 from conftest import INTERPRET, KernelRecorder, check_decode, make_config
-from tqgen import emit, render, tuned_files, tuner
+from tqgen import config as config_mod, emit, render, tuned_files, tuner
 from tqgen.buckets import bucket_bounds, bucket_key, default_buckets
 from tqgen.errors import TqgenError
 from tqgen.plan import Plan
@@ -376,6 +376,21 @@ def test_heuristic_is_close_to_the_measured_best_on_the_h200(setup, tmp_path):
               + _heuristic_ratios(mse_module, [t for t in tables if not t[0].startswith(("tq_kfp8_", *gluon_mse))]))
     assert len(ratios) >= 76
     assert _geomean(ratios) < 1.03 and max(ratios) < 1.15
+
+
+def test_the_split_rule_fit_costs_the_shipped_slots_mse_rule(tmp_path):
+    """tools/fit_split_rule.py over the committed k3v4 slots table (the Gluon kernel's 32-token tiles in the ring of
+    2): the heuristic's own split rule (8 programs per SM, a split per 1024 tokens, one per 64 at most, at most 16
+    from the SM count) is among the rules whose picks were all timed, within 1% of the best it finds, and every
+    rule costs at least the table's best (ratios >= 1)."""
+    import fit_split_rule  # tools/
+
+    config = config_mod.resolve_arch(config_mod.load(REPO / "configs" / "k3v4-d128.yaml"), (9, 0))
+    table = json.loads((REPO / "tuned" / "NVIDIA_H200" / f"{config.artifact_name()}.json").read_text())
+    results = fit_split_rule.rule_costs(emit.load(config, tmp_path), table, tile=32, warps=1, stages=2)
+    shipped = next(result for result in results if result[2:] == (8, 1024, 64, 16))
+    assert shipped[0] <= results[0][0] * 1.01
+    assert all(geomean >= 1 and worst >= geomean for geomean, worst, *_ in results)
 
 
 # The Gluon kernel with its cp.async ring and packed key selectors, every planes preset re-tuned (2026-12-02,
