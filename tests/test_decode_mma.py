@@ -57,7 +57,7 @@ def key_units(config):
     # slots with MSE keys and 4-bit values at head_dim 128: 2-byte aligned fields, shifted after the copy
     (dict(preset="k3v4", cache_layout="slots"), True), (dict(preset="k4v4", cache_layout="slots"), True),
     (dict(preset="k3v4", cache_layout="slots", norm_correction=False), True),
-    (dict(preset="k3v3", cache_layout="slots"), False),  # a packed 3-bit value stream
+    (dict(preset="k3v3", cache_layout="slots"), True),  # a packed 3-bit value stream too
     (dict(preset="k3v4", cache_layout="slots", head_dim=64), False), (dict(preset="k4v4", cache_layout="slots", head_dim=256), False),
     # slots with fp8 keys and 4-bit values: every field 4-byte aligned in every slot
     (dict(preset="k8v4", arch="sm90", cache_layout="slots"), True),
@@ -152,7 +152,7 @@ COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correct
       for head_dim, page, block_kv, group_size, stages in [(64, 16, 32, 4, 2), (256, 64, 32, 4, 2), (128, 16, 32, 16, 2),
                                                            (128, 16, 64, 1, 1)]],
     # slots with MSE keys (2-byte aligned fields; the ring only), in both dim orders of the cache
-    *[(preset, 128, 16, kv, 4, True, stages, False, order) for preset in ("k3v4", "k4v4") for kv in (32, 64)
+    *[(preset, 128, 16, kv, 4, True, stages, False, order) for preset in ("k3v4", "k4v4", "k3v3") for kv in (32, 64)
       for stages in RING_STAGES for order in ("slots-head-major", "slots-position-major")],
     *[(preset, 128, page, block_kv, group_size, norm_correction, 2, False, "slots-head-major")
       for preset in ("k3v4", "k4v4") for page, block_kv, group_size, norm_correction in [
@@ -229,9 +229,9 @@ def test_every_launch_compiles_for_sm90(compiled_cases, case):
         assert report["copy_bytes"] == []
     else:
         plan = Plan.from_config(mma_config(preset, head_dim, block_size=page, cache_layout=layout.split("-")[0]))
-        token_bytes = sum((buffer.units or 1) * buffer.unit_bytes for buffer in plan.ring_buffers)
-        # Every used byte once; slots with MSE keys: 18 words from the norm in a row of 32, 16 key words (3-bit:
-        # 13 distinct) and the words after the lanes' runs.
+        token_bytes = sum((field.units or 1) * field.unit_bytes for field in plan.ring_fields)
+        # Every used byte once; slots with MSE keys: the 18 words from the norm, 16 key words (3-bit: 13
+        # distinct) and the words after the lanes' runs.
         assert token_bytes == plan.layout.used_bytes if not halfword_slots else token_bytes > plan.layout.used_bytes
         ring_bytes = stages * block_kv * token_bytes
         # The conversion's scratch may share the ring's memory (it is dead before the loop) or lie beside it.
@@ -345,7 +345,7 @@ def test_slots_decode_takes_the_mma_kernel_where_its_copies_stay_aligned(build_m
         assert launch["TOKEN_STRIDE"] == cache.stride(1) and launch["STAGES"] == 2 and args[1] is cache
 
 
-@pytest.mark.parametrize("preset", ["k3v4", "k4v4"])
+@pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3"])
 @pytest.mark.parametrize("kind,stages,expect_mma", [
     ("head_major", 2, True), ("position_major", 2, True), ("position_major", 3, True), ("head_major", 1, False),
     ("unaligned_start", 2, False), ("halfword_start", 2, False), ("odd_head_stride", 2, True)])
@@ -371,6 +371,78 @@ def test_mse_slots_decode_takes_the_mma_kernel_through_its_ring(build_module, mo
     if expect_mma:
         _, args, launch = mma.launches[0]
         assert launch["TOKEN_STRIDE"] == cache.stride(1) and launch["STAGES"] == stages and args[1] is cache
+
+
+def _numpy_byte_perm(low, high, selector):
+    """PTX prmt (no sign-replicate nibbles) over int64 arrays of 32-bit values."""
+    pair = (high & 0xFFFFFFFF) << 32 | (low & 0xFFFFFFFF)
+    return sum(((pair >> (((selector >> (4 * i)) & 7) * 8)) & 0xFF) << (8 * i) for i in range(4))
+
+
+def _evaluate_steps(steps, word):
+    """Plan statements (name, expression) evaluated on int64 arrays as the kernel's int32 holds them."""
+    import numpy as np
+
+    names = {"word": np.where(word >= 1 << 31, word - (1 << 32), word)}
+    for name, expression in steps:
+        value = eval(expression, {}, names) & 0xFFFFFFFF  # noqa: S307 -- the plan's own expressions
+        names[name] = np.where(value >= 1 << 31, value - (1 << 32), value)
+    return names
+
+
+@pytest.mark.parametrize("shift", [0, 2])
+def test_packed_3bit_key_groups_become_byte_permute_selectors(shift):
+    """MSE keys in slots, 3-bit codes: a key lane's four copied words hold its 12 code bytes from byte `shift`; each
+    group's byte permute (Plan.PACKED_GROUP_PERMUTES, selector + shift * 0x1111) and the selector steps
+    (packed_key_selector_steps) must leave code k of each group in nibble k of the low half (codes 0..3) and of
+    the high half (codes 4..7), bit 3 of every nibble clear: every value of group 0 (2**24), 4096 random values
+    of the others, beside random bytes."""
+    import numpy as np
+
+    plan = Plan.from_config(mma_config("k3v4", cache_layout="slots"))
+    rng = np.random.default_rng(shift)
+    for k, (low, high, selector) in enumerate(plan.PACKED_GROUP_PERMUTES):
+        groups = np.arange(1 << 24, dtype=np.int64) if k == 0 else rng.integers(0, 1 << 24, 4096)
+        stream = rng.integers(0, 256, (groups.size, 16)).astype(np.int64)  # the lane's 16 copied bytes
+        for byte in range(3):
+            stream[:, 3 * k + shift + byte] = (groups >> (8 * byte)) & 0xFF
+        words = {name: sum(stream[:, 4 * i + b] << (8 * b) for b in range(4))
+                 for i, name in enumerate(("first", "second", "third", "fourth"))}
+        word = _numpy_byte_perm(words[low], words[high], selector + shift * 0x1111)
+        both = _evaluate_steps(plan.packed_key_selector_steps, word)["both"] & 0xFFFFFFFF
+        expected = sum(((groups >> (3 * code)) & 7) << (4 * code) for code in range(8))  # nibble k of each half
+        assert np.array_equal(both, expected), k
+
+
+@pytest.mark.parametrize("shift", [0, 2])
+def test_packed_3bit_value_groups_become_exact_subnormal_codes(shift):
+    """MSE keys in slots with 3-bit values: a value lane's two copied words hold its groups 2g and 2g + 1 from byte
+    `shift`; the group permutes (Plan.PACKED_VALUE_PERMUTES), the token pairing (PACKED_VALUE_PAIRS) and the code
+    masks (packed_value_codes) must leave code k of each token at bits p_k..p_k+2 of its 16-bit half and no other
+    bit set (so each half is the fp16 subnormal code * 2**(p_k - 24)), for 4096 random pairs of groups of two
+    tokens beside random bytes."""
+    import numpy as np
+
+    plan = Plan.from_config(mma_config("k3v3", cache_layout="slots"))
+    rng = np.random.default_rng(shift)
+    groups = rng.integers(0, 1 << 24, (2, 2, 4096))  # [token, group of the lane, sample]
+    group_words = []
+    for token in range(2):
+        stream = rng.integers(0, 256, (4096, 8)).astype(np.int64)  # the lane's two copied words
+        for index in range(2):
+            for byte in range(3):
+                stream[:, shift + 3 * index + byte] = (groups[token, index] >> (8 * byte)) & 0xFF
+        first, second = (sum(stream[:, 4 * w + b] << (8 * b) for b in range(4)) for w in range(2))
+        group_words.append([_numpy_byte_perm(first, second, base + shift * 0x1111)
+                            for base in plan.PACKED_VALUE_PERMUTES])
+    for index in range(2):
+        even, odd = group_words[0][index], group_words[1][index]
+        names = {name: _numpy_byte_perm(even, odd, selector) for name, selector in plan.PACKED_VALUE_PAIRS}
+        names = {name: np.where(value >= 1 << 31, value - (1 << 32), value) for name, value in names.items()}
+        for code, (expression, position) in enumerate(plan.packed_value_codes):
+            got = eval(expression, {}, names) & 0xFFFFFFFF  # noqa: S307 -- the plan's own expressions
+            want = sum(((groups[token, index] >> (3 * code)) & 7) << (position + 16 * token) for token in range(2))
+            assert position + 2 <= 9 and np.array_equal(got, want), (index, code)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -485,13 +557,14 @@ def test_slots_mma_decode_matches_reference(build_module, monkeypatch, head_dim,
 
 
 MSE_SLOTS_MMA_CASES = [  # (preset, page, block_kv, group_size, num_splits, num_stages, head_major, norm_correction)
-    *[(preset, 16, block_kv, 4, 3, stages, head_major, True) for preset in ("k3v4", "k4v4")
+    *[(preset, 16, block_kv, 4, 3, stages, head_major, True) for preset in ("k3v4", "k4v4", "k3v3")
       for block_kv in sorted(set(tuner.SearchSpace().block_kv)) for stages in RING_STAGES for head_major in (True, False)],
     *[(preset, page, block_kv, 4, 3, 2, head_major, True) for preset in ("k3v4", "k4v4")
       for page, block_kv, head_major in [(32, 64, True), (64, 32, True), (128, 32, False), (128, 64, True)]],
     *[(preset, 16, 32, group_size, num_splits, 2, True, True) for preset in ("k3v4", "k4v4")
       for group_size in (1, 6, 8, 16) for num_splits in (1, 16)],
     ("k3v4", 16, 32, 4, 3, 2, True, False), ("k4v4", 16, 64, 4, 3, 3, False, False),
+    ("k3v3", 64, 32, 8, 16, 2, True, True), ("k3v3", 16, 32, 1, 1, 2, False, True),
 ]
 
 
@@ -579,7 +652,7 @@ def test_mma_and_dot_kernels_agree(build_module, monkeypatch, preset, block_kv, 
 
 @pytest.mark.parametrize("preset,num_stages", [
     *[(preset, stages) for preset in ("k3v4", "k3v3", "k8v4", "k8v4-slots") for stages in (1, 2, 3)],
-    *[(preset, stages) for preset in ("k3v4-slots", "k4v4-slots") for stages in (2, 3)]])  # the ring only
+    *[(preset, stages) for preset in ("k3v4-slots", "k4v4-slots", "k3v3-slots") for stages in (2, 3)]])  # ring only
 @gpu_test
 def test_mma_decode_masks_block_ids_outside_the_cache(build_module, monkeypatch, preset, num_stages):
     """With validate=False, pages whose block id is outside the cache are masked (their tokens read
@@ -606,7 +679,7 @@ def test_mma_decode_masks_block_ids_outside_the_cache(build_module, monkeypatch,
 
 @pytest.mark.parametrize("preset,num_stages", [
     *[(preset, stages) for preset in ("k3v4", "k8v4", "k8v4-slots") for stages in (1, 3)],
-    ("k3v4-slots", 2), ("k4v4-slots", 3)])
+    ("k3v4-slots", 2), ("k4v4-slots", 3), ("k3v3-slots", 2)])
 @gpu_test
 def test_mma_decode_replays_in_a_cuda_graph(build_module, monkeypatch, preset, num_stages):
     preset, _, layout = preset.partition("-")

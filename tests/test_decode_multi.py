@@ -316,7 +316,7 @@ COMPILE_CASES = [  # (config stem, q_len, group_size, block_kv, stages)
     ("k3v4-d128-planes", 4, 4, 32, 2), ("k3v4-d128-planes", 2, 4, 64, 1), ("k3v3-d128-planes", 3, 4, 32, 2),
     ("k4v4-d128-planes", 8, 1, 64, 2), ("k8v4-d128-planes", 2, 8, 32, 1), ("k8v4-d128-planes", 4, 4, 64, 2),
     ("k3v4-d128-planes", 8, 4, 32, 2), ("k8v4-d128", 4, 4, 32, 2), ("k8v4-d128", 2, 8, 64, 1),  # slots: fp8 keys
-    ("k3v4-d128", 4, 4, 32, 2), ("k4v4-d128", 2, 8, 64, 3),  # slots: MSE keys (the ring only)
+    ("k3v4-d128", 4, 4, 32, 2), ("k4v4-d128", 2, 8, 64, 3), ("k3v3-d128", 3, 4, 32, 2),  # slots: MSE keys (ring)
 ]
 
 
@@ -336,7 +336,7 @@ def test_the_gluon_multi_token_kernel_compiles_for_sm90():
         columns = min(q_len, 16 // group_size) * group_size  # the tokens of one program (8 x 4: two programs)
         column_blocks = max(8, 1 << (columns - 1).bit_length()) // 8
         # MSE keys in slots: one product more, the squared centroids of the norm correction
-        products = 3 if stem in ("k3v4-d128", "k4v4-d128") else 2
+        products = 3 if stem in ("k3v4-d128", "k4v4-d128", "k3v3-d128") else 2
         assert report["mma"] == products * (block_kv // 16) * (128 // 16) * column_blocks, (stem, q_len, group_size)
         assert (report["shared_bytes"] > 0) == (stages > 1)
 
@@ -345,7 +345,7 @@ def test_the_gluon_multi_token_kernel_compiles_for_sm90():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("q_len,group_size", [(2, 4), (4, 4), (3, 4), (2, 8), (8, 1), (5, 3), (8, 4), (3, 8)])
 @pytest.mark.parametrize("block_kv,num_stages", [(32, 1), (32, 2), (64, 2), (32, 3)])
-@pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3", "k8v4", "k3v4-slots", "k4v4-slots"])
+@pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3", "k8v4", "k3v4-slots", "k4v4-slots", "k3v3-slots"])
 def test_the_gluon_multi_token_kernel_on_the_gpu(build_module, monkeypatch, preset, q_len, group_size, block_kv,
                                                  num_stages):
     """The Gluon kernel runs (a spy says so) and matches the reference: ragged sequences whose causal limits

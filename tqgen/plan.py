@@ -16,7 +16,7 @@ Decisions, each with its reason:
   fill 32-bit loads); and for "slots" with hardware fp8 keys and 4-bit values, whose
   fields and slots are 4-byte aligned (`Layout.slot_fields_word_aligned`): the same
   decode, fed by 4-byte copies of each token's fields; and for "slots" with 3- or 4-bit
-  MSE keys and 4-bit values at head_dim 128 (`mma_halfword_slots`), whose fields are
+  MSE keys and 3- or 4-bit values at head_dim 128 (`mma_halfword_slots`), whose fields are
   only 2-byte aligned: the copies start at the 4-byte word at or before each field and
   the reader shifts by 16 bits where the field starts mid-word (one byte permute per
   word); the norm correction is computed per tile (the slot holds the original norm).
@@ -72,12 +72,10 @@ class RingField:
     record: str  # bytes from one token's units to the next one's
     alignment: int  # bytes: how each token's units are aligned (the widest cp.async they allow)
     read_layout: str  # the constexpr layout the kernel reads them in
-    # "slots" with 2-byte aligned fields (Plan.mma_halfword_slots) only: the shared buffer the units go to when
-    # it is not the field's own, where in its row, and which 32-bit words they are, counted from the word at or
-    # before the field: unit j is word first + j // run * stride + j % run (a gather: lanes take overlapping runs).
-    ring: str = ""
-    row_offset: int = 0
-    words: tuple[int, int, int] = (0, 0, 0)  # (first, run, stride); run 0: unit j is word first + j
+    # "slots" with 2-byte aligned fields (Plan.mma_halfword_slots) only: which 32-bit words the units are, counted
+    # from the word at or before the field (the field starts `shift` bytes into it, 0 or 2): unit j is word
+    # first + (shift + j // run * lane_bytes) // 4 + j % run, run words for each lane's lane_bytes bytes (a gather).
+    words: tuple[int, int, int] = (0, 0, 0)  # (first, run, lane_bytes); run 0: unit j is word first + j
 
     @property
     def vector(self) -> int:
@@ -165,14 +163,14 @@ class Plan:
 
     @property
     def mma_halfword_slots(self) -> bool:
-        """"slots" with MSE keys on the Gluon stage 1 (3- or 4-bit keys, 4-bit values, head_dim 128): slots are
+        """"slots" with MSE keys on the Gluon stage 1 (3- or 4-bit keys and values, head_dim 128): slots are
         2-byte aligned (their size is 2 mod 4), so every field starts at byte 0 or 2 of a 32-bit word, by the
         parity of its position and the offset of its head. Each token's words are copied from the word at or
         before each field and shifted by a byte permute per word where the field starts mid-word. Only with a
         ring (STAGES >= 2)."""
         layout = self.layout
-        return (not layout.planes and not layout.key_fp8 and layout.key_bits in (3, 4) and layout.value_bits == 4
-                and layout.head_dim == 128)
+        return (not layout.planes and not layout.key_fp8 and layout.key_bits in (3, 4)
+                and layout.value_bits in (3, 4) and layout.head_dim == 128)
 
     @property
     def symmetric_key_lookup(self) -> bool:
@@ -338,49 +336,74 @@ class Plan:
         """mma_halfword_slots: what the ring copies per token, every copy 4 bytes from the word at or before a field.
 
         - key: the lane of key-tile column u (4 per token) decodes a quarter of the key's groups, 32 codes: 3-bit
-          codes are words 3u..3u+2 of the field, 4-bit ones 4u..4u+3. Each lane takes one word more, for the
-          16-bit shift: 3-bit keys copy words 3u + i, i < 4 (a gather); 4-bit keys the 16 words, and key_next
-          the word after each lane's four (4u + 4).
-        - tail: the norm, the value codes and the value scale and zero, contiguous in the slot (70 bytes at
-          head_dim 128): 18 words from the word at or before the norm, in a row of 32 (16 copied as "tail", 2
-          as "tail_end"). Value lane g reads tail words 2g and 2g + 1, and value_next the word after them
-          (2g + 2; a ring slice cannot start there).
+          codes are 12 bytes from byte 12u of the field, 4-bit ones 16 from 16u. Each lane takes one word more,
+          for the 16-bit shift: 3-bit keys copy words 3u + i, i < 4 (a gather); 4-bit keys the 16 words, and
+          key_next the word after each lane's four (4u + 4).
+        - tail: from the word at or before the norm: with 4-bit values the norm and the value codes (words
+          0..15; value lane g reads words 2g and 2g + 1, and value_next the word after them, 2g + 2: a ring
+          slice cannot start at 2); with 3-bit values the norm's word (and the next). tail_end: the two words
+          that hold the value scale and zero, after the norm and the codes.
+        - value (3-bit values): value lane g decodes groups 2g and 2g + 1, 6 bytes from byte 6g of the field,
+          which 2 words hold from the word at or before them (a gather whose words depend on the shift).
         """
         layout = self.layout
         assert layout.value_code_offset == layout.key_norm_offset + KEY_NORM_BYTES
         assert layout.value_scale_offset == layout.value_code_offset + layout.value_code_bytes
-        assert layout.value_code_bytes == 64 and layout.head_dim == 128, "a value lane's 2 words + 1; 18 tail words"
+        assert layout.head_dim == 128, "value lanes of 2 groups, key lanes of 4"
         code_words = layout.key_code_bytes // 4  # 12 or 16
         field = functools.partial(RingField, dtype="gl.int32", unit_bytes=4, record="TOKEN_STRIDE", alignment=4)
         fields = [field(name="key", units=16, plane="_KEY_CODE_OFFSET", read_layout="KEY_TILE",
-                        words=(0, 4, code_words // 4) if code_words == 12 else (0, 0, 0))]
+                        words=(0, 4, 12) if code_words == 12 else (0, 0, 0))]
         if code_words == 16:
             fields.append(field(name="key_next", units=4, plane="_KEY_CODE_OFFSET", read_layout="KEY_NEXT_TILE",
-                                words=(4, 1, 4)))
-        tail_words = (KEY_NORM_BYTES + layout.value_code_bytes + VALUE_SCALE_ZERO_BYTES + 2 + 3) // 4  # 18
-        fields.append(field(name="tail", units=16, plane="_KEY_NORM_OFFSET", read_layout="VALUE_TILE"))
-        fields.append(field(name="tail_end", units=tail_words - 16, plane="_KEY_NORM_OFFSET",
-                            read_layout="TOKEN_WORDS", ring="tail", row_offset=16, words=(16, 0, 0)))
-        fields.append(field(name="value_next", units=8, plane="_KEY_NORM_OFFSET", read_layout="VALUE_NEXT_TILE",
-                            words=(2, 1, 2)))
+                                words=(4, 1, 16)))
+        scale_word = (KEY_NORM_BYTES + layout.value_code_bytes) // 4  # of the scale and zero, from the norm's word
+        if layout.value_bits == 4:
+            fields.append(field(name="tail", units=16, plane="_KEY_NORM_OFFSET", read_layout="VALUE_TILE"))
+            fields.append(field(name="value_next", units=8, plane="_KEY_NORM_OFFSET", read_layout="VALUE_NEXT_TILE",
+                                words=(2, 1, 8)))
+        else:
+            fields.append(field(name="tail", units=2, plane="_KEY_NORM_OFFSET", read_layout="TOKEN_WORDS"))
+            fields.append(field(name="value", units=16, plane="_VALUE_CODE_OFFSET", read_layout="VALUE_TILE",
+                                words=(0, 2, 6)))
+        fields.append(field(name="tail_end", units=2, plane="_KEY_NORM_OFFSET", read_layout="TOKEN_WORDS",
+                            words=(scale_word, 0, 0)))
         return fields
 
     @property
-    def ring_buffers(self) -> list[RingField]:
-        """The ring's shared buffers, one per ring field except those copied into another's row (ring), each as
-        wide as the units copied into its rows (a power of two)."""
-        fields = self.ring_fields
-        buffers = []
-        for field in fields:
-            if field.ring:
-                continue
-            width = max(other.row_offset + other.units for other in fields if (other.ring or other.name) == field.name)
-            buffers.append(dataclasses.replace(field, units=next_power_of_two(width)) if width else field)
-        return buffers
+    def halfword_scale_word(self) -> int:
+        """mma_halfword_slots: the first of the two tail_end words (the value scale and zero), counted from the
+        word at or before the norm."""
+        return self.ring_field("tail_end").words[0]
 
-    def ring_buffer_index(self, field: RingField) -> int:
-        """Where field's shared buffer is in ring_buffers (the kernel's `rings` tuple)."""
-        return [buffer.name for buffer in self.ring_buffers].index(field.ring or field.name)
+    # mma_halfword_slots, 3-bit values: value lane g's two copied words hold its groups 2g and 2g + 1 (6 bytes) from
+    # byte r (0 or 2); group 2g + i is one byte permute of the two words, selector base + r * 0x1111, as the bytes
+    # [b0, b1, b2, junk] (the junk byte is never read).
+    PACKED_VALUE_PERMUTES = (0x3210, 0x6543)
+    # ... and the group words of tokens 2q and 2q + 1 paired in 16-bit halves by byte permutes (packed_value_codes):
+    # their bytes 0-1, 1-2 and 2 (the top byte of each half of `high` is never read).
+    PACKED_VALUE_PAIRS = (("low", 0x5410), ("middle", 0x6521), ("high", 0x7632))
+
+    @property
+    def packed_value_codes(self) -> list[tuple[str, int]]:
+        """mma_halfword_slots, 3-bit values: per code k of a group, the expression that leaves it at bits p..p+2 of
+        each 16-bit half of `low`, `middle` or `high` (the group words of two tokens, bytes 0-1, 1-2 and 2 of each
+        paired by byte permutes), and p: bits 3k..3k+2 of a group, masked where they lie (p <= 7 keeps the code an
+        exact fp16 subnormal, code * 2**(p - 24), below the exponent bits)."""
+        terms = []
+        for code in range(8):
+            bit = 3 * code
+            if bit + 2 <= 9:  # in bits 0..9 of the group: `low`, where they lie
+                source, position = "low", bit
+            elif bit >= 16:  # in byte 2: `high` holds it in bits 0..7
+                source, position = "high", bit - 16
+            elif bit >= 8 and bit + 2 <= 15:  # in byte 1: `low >> 8`
+                source, position = "(low >> 8)", bit - 8
+            else:  # across bytes 1 and 2: `middle` holds bits 8..23
+                source, position = "middle", bit - 8
+            assert position + 2 <= 9, (code, position)
+            terms.append((f"{source} & 0x{(7 << position) * 0x10001:08X}", position))
+        return terms
 
     def ring_field(self, name: str) -> RingField:
         """The ring field `name` (ring_fields): where the kernel's direct loads (STAGES 1) find that field too."""
@@ -452,6 +475,23 @@ class Plan:
         moved_high = [f"({high} & 0x{mask * pair:08X})" + (f" * {1 << shift}" if shift else "")
                       for shift, mask in sorted(high_masks.items())]
         return " | ".join(terms) + " | (" + " + ".join(moved_high) + ")"
+
+    # mma_halfword_slots, 3-bit keys: a key lane's copied words (first..fourth) hold its 12 code bytes from byte
+    # `shift` (0 or 2); group k (3 bytes, codes 8k..8k+7) is taken by one byte permute of two neighbouring words,
+    # selector base + shift * 0x1111, as the bytes [b0, b1, b1, b2] (packed_key_selector_steps reads that form).
+    PACKED_GROUP_PERMUTES = (("first", "second", 0x2110), ("first", "second", 0x5443), ("second", "third", 0x4332),
+                             ("third", "fourth", 0x3221))
+
+    @property
+    def packed_key_selector_steps(self) -> list[tuple[str, str]]:
+        """mma_halfword_slots, 3-bit keys: statements (name, expression) that turn a group word [b0, b1, b1, b2]
+        (`word`; codes 0..3 at bits 3k, codes 4..7 at bits 20 + 3k) into `both`, the byte-permute selectors of
+        codes 0..3 and 4..7 (code k in nibble k, bit 3 clear) in its low and high 16-bit halves: codes 4..7
+        beside codes 0..3; codes 2j, 2j + 1 to bits 8j.. of each half by a multiply-add; code 2j + 1 one bit up
+        by an add (its bits doubled)."""
+        return [("both", "(word & 0xFFF) | ((word >> 4) & 0x0FFF0000)"),
+                ("both", "(both & 0x003F003F) + (both & 0x0FC00FC0) * 4"),
+                ("both", "both + (both & 0x38383838)")]
 
     @property
     def split_value_codes(self) -> list[tuple[str, int]]:
