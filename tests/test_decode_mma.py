@@ -445,6 +445,84 @@ def test_packed_3bit_value_groups_become_exact_subnormal_codes(shift):
             assert position + 2 <= 9 and np.array_equal(got, want), (index, code)
 
 
+@pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3"])
+@pytest.mark.parametrize("order", ["head-major", "position-major"])
+def test_halfword_slot_copies_and_shifts_give_back_every_field(preset, order):
+    """MSE keys in slots, emulated on the CPU: the words _mma_copy_words copies (Plan.ring_fields' words, from the
+    word at or before each field) and the byte permutes the kernel applies with its selectors (shift_selectors)
+    give back each token's key groups, value groups (or words), norm and scale and zero byte for byte, for every
+    position and head of a cache of 3 KV heads in either dim order (fields at byte 0 and 2 of a word)."""
+    import numpy as np
+
+    plan = Plan.from_config(mma_config(preset, cache_layout="slots", block_size=16))
+    layout, slot, page, heads = plan.layout, plan.layout.slot_bytes, 16, 3
+    cache = np.random.default_rng(0).integers(0, 256, 2 * page * heads * slot, dtype=np.int64)
+    # (block, position, head) strides
+    strides = ((heads * page * slot, slot, page * slot) if order == "head-major"
+               else (page * heads * slot, heads * slot, slot))
+    offsets = dict(_KEY_CODE_OFFSET=layout.key_code_offset, _KEY_NORM_OFFSET=layout.key_norm_offset,
+                   _VALUE_CODE_OFFSET=layout.value_code_offset)
+    word_at = lambda byte: int(sum(int(cache[byte + b]) << (8 * b) for b in range(4)))  # noqa: E731
+    perm = lambda low, high, selector: int(_numpy_byte_perm(np.int64(low), np.int64(high), selector))  # noqa: E731
+    for block in range(2):
+        for head in range(heads):
+            page_base = block * strides[0] + head * strides[2]
+            phase = page_base & 3
+            for position in range(page):
+                copied = {}
+                for field in plan.ring_fields:  # _mma_copy_words
+                    first, run, lane_bytes = field.words
+                    start = phase + (position & 1) * strides[1] + offsets[field.plane]
+                    token_word, shift = start // 4 + position // 2 * (strides[1] // 2), start & 3
+                    words = [token_word + (first + j if run == 0 else
+                                           first + (shift + j // run * lane_bytes) // 4 + j % run)
+                             for j in range(field.units)]
+                    copied[field.name] = [word_at(page_base - phase + 4 * word) for word in words]
+                slot_start = page_base + position * strides[1]
+                def field_bytes(offset, size, slot_start=slot_start):
+                    return [int(b) for b in cache[slot_start + offset:slot_start + offset + size]]
+
+                head_phase = (head * strides[2]) & 3
+                key_shift = (head_phase + position * strides[1] + layout.key_code_offset) & 3
+                keys = field_bytes(layout.key_code_offset, layout.key_code_bytes)
+                lanes = [copied["key"][4 * u:4 * u + 4] for u in range(4)]
+                for u, (w0, w1, w2, w3) in enumerate(lanes):
+                    if layout.key_bits == 3:  # group 4u + k as [b0, b1, b1, b2]
+                        named = dict(first=w0, second=w1, third=w2, fourth=w3)
+                        for k, (low, high, base) in enumerate(plan.PACKED_GROUP_PERMUTES):
+                            got = perm(named[low], named[high], base + key_shift * 0x1111)
+                            b0, b1, b2 = keys[3 * (4 * u + k):3 * (4 * u + k) + 3]
+                            assert got == b0 | b1 << 8 | b1 << 16 | b2 << 24, (block, head, position, u, k)
+                    else:  # words 4u..4u+3, the last with key_next
+                        following = [w1, w2, w3, copied["key_next"][u]]
+                        for i, (low, high) in enumerate(zip((w0, w1, w2, w3), following)):
+                            want = sum(keys[16 * u + 4 * i + b] << (8 * b) for b in range(4))
+                            assert perm(low, high, 0x3210 + key_shift * 0x1111) == want, (block, head, position, u, i)
+                norm_shift = (head_phase + position * strides[1] + layout.key_norm_offset) & 3
+                norm = field_bytes(layout.key_norm_offset, 2)
+                assert (copied["tail"][0] >> (8 * norm_shift)) & 0xFFFF == norm[0] | norm[1] << 8
+                scale_shift = (norm_shift + layout.value_scale_offset - layout.key_norm_offset
+                               - 4 * plan.halfword_scale_word)
+                scale = sum(byte << (8 * b) for b, byte in enumerate(field_bytes(layout.value_scale_offset, 4)))
+                assert perm(*copied["tail_end"], 0x3210 + scale_shift * 0x1111) == scale
+                values = field_bytes(layout.value_code_offset, layout.value_code_bytes)
+                for g in range(8):  # value lane g
+                    if layout.value_bits == 4:  # words 2g, 2g + 1 of the tail row and value_next's word after them
+                        selector = 0x3210 + (norm_shift + layout.value_code_offset - layout.key_norm_offset) * 0x1111
+                        row = copied["tail"]
+                        pairs = [(row[2 * g], row[2 * g + 1]), (row[2 * g + 1], copied["value_next"][g])]
+                        for i, (low, high) in enumerate(pairs):
+                            want = sum(values[4 * (2 * g + i) + b] << (8 * b) for b in range(4))
+                            assert perm(low, high, selector) == want, (block, head, position, g, i)
+                    else:  # groups 2g, 2g + 1 as [b0, b1, b2, junk]
+                        value_shift = (head_phase + position * strides[1] + layout.value_code_offset + 6 * g) & 3
+                        w0, w1 = copied["value"][2 * g:2 * g + 2]
+                        for i, base in enumerate(plan.PACKED_VALUE_PERMUTES):
+                            got = perm(w0, w1, base + value_shift * 0x1111) & 0xFFFFFF
+                            b0, b1, b2 = values[3 * (2 * g + i):3 * (2 * g + i) + 3]
+                            assert got == b0 | b1 << 8 | b2 << 16, (block, head, position, g, i)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
 def test_the_query_operand_order_is_a_bit_permutation(preset, head_dim):
