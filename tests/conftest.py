@@ -68,19 +68,20 @@ def codebook_kwargs(module, config, device):
     return testing.codebook_kwargs(module, device)
 
 
-def head_major_cache(module, num_blocks, num_kv_heads, device):
-    """A fresh slots cache as vLLM allocates it (testing.as_head_major)."""
-    return testing.as_head_major(module.make_cache(num_blocks, num_kv_heads, device))
+def position_major_cache(module, num_blocks, num_kv_heads, device):
+    """A fresh slots cache in the other dim order the kernels take (testing.as_position_major); make_cache's is
+    head-major, as vLLM allocates it."""
+    return testing.as_position_major(module.make_cache(num_blocks, num_kv_heads, device))
 
 
-def stored_cache(module, config, seq_lens, device, num_kv_heads=2, seed=0, codebook=None, head_major=False):
+def stored_cache(module, config, seq_lens, device, num_kv_heads=2, seed=0, codebook=None, position_major=False):
     """A random ragged batch (testing.paged_batch) stored into a fresh cache by the module: (batch, cache).
-    `codebook` (rotation/centroids keyword arguments) replaces the module's defaults; `head_major` (slots)
-    stores into a head_major_cache."""
+    `codebook` (rotation/centroids keyword arguments) replaces the module's defaults; `position_major` (slots)
+    stores into a position_major_cache rather than make_cache's."""
     batch = testing.paged_batch(config, seq_lens, num_kv_heads, device=device,
                                 generator=torch.Generator().manual_seed(seed))
-    if head_major:
-        cache = head_major_cache(module, batch.num_blocks, num_kv_heads, device)
+    if position_major:
+        cache = position_major_cache(module, batch.num_blocks, num_kv_heads, device)
     else:
         cache = module.make_cache(batch.num_blocks, num_kv_heads, device)
     kwargs = codebook if codebook is not None else codebook_kwargs(module, config, device)
@@ -95,12 +96,12 @@ def stored_cache(module, config, seq_lens, device, num_kv_heads=2, seed=0, codeb
 
 
 def check_decode(module, config, device, seq_lens, num_kv_heads=2, group_size=4, dtype=torch.float32, seed=0,
-                  codebook=None, strided_query=False, head_major=False, **launch):
+                  codebook=None, strided_query=False, position_major=False, **launch):
     """Decode a random ragged batch with the module and compare it with the float64 reference; returns the output.
     `codebook` (rotation/centroids keyword arguments) replaces the module's defaults; `strided_query` passes
-    the query as a view whose head dim is not contiguous; `head_major` (slots) the cache as vLLM allocates it."""
+    the query as a view whose head dim is not contiguous; `position_major` (slots) a position-major cache."""
     kwargs = codebook if codebook is not None else codebook_kwargs(module, config, device)
-    batch, cache = stored_cache(module, config, seq_lens, device, num_kv_heads, seed, kwargs, head_major)
+    batch, cache = stored_cache(module, config, seq_lens, device, num_kv_heads, seed, kwargs, position_major)
     generator = torch.Generator().manual_seed(seed + 100)
     query = torch.randn(len(seq_lens), num_kv_heads * group_size, config.head_dim, generator=generator)
     query = query.to(device=device, dtype=dtype)

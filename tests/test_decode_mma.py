@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HAS_CUDA, PRESETS, KernelRecorder, check_decode, codebook_kwargs, head_major_cache, make_config
+from conftest import (HAS_CUDA, PRESETS, KernelRecorder, check_decode, codebook_kwargs, make_config,
+                      position_major_cache, stored_cache)
 from tqgen import reference, render, tuner
 from tqgen.layout import Layout
 from tqgen.plan import Plan
-from tqgen.testing import relative_error
-from tqgen.testing import DECODE_TOLERANCE
+from tqgen.testing import DECODE_TOLERANCE, as_position_major, relative_error
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -145,7 +145,7 @@ COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correct
     # the query rotated in the kernel (Hadamard configs at head_dim 128), a dependent launch at group 1
     ("k3v4", 128, 16, 64, 1, True, 2, True), ("k3v4", 128, 16, 32, 4, True, 1, True),
     ("k4v4", 128, 16, 32, 16, True, 2, True), ("k3v3", 128, 16, 64, 8, True, 1, True),
-    # slots (fp8 keys), the cache as vLLM allocates it (head-major) and in tqgen's own dim order
+    # slots (fp8 keys), the cache as vLLM and make_cache allocate it (head-major) and position-major
     *[("k8v4", 128, 16, kv, 4, True, stages, False, order) for kv in (32, 64) for stages in [1] + RING_STAGES
       for order in ("slots-head-major", "slots-position-major")],
     *[("k8v4", head_dim, page, block_kv, group_size, True, stages, False, "slots-head-major")
@@ -310,13 +310,13 @@ def _record_stage1(module, monkeypatch, expect_mma):
 
 
 def _slots_cache(module, kind, num_blocks, num_kv_heads, device):
-    """A k8v4 slots cache: as vLLM allocates it, as make_cache does, or views whose slot fields are not
-    4-byte aligned (a first byte 4 bytes into an allocation; slots 198 bytes apart)."""
+    """A k8v4 slots cache: as vLLM and make_cache allocate it (head-major), position-major, or views whose slot
+    fields are not 4-byte aligned (a first byte 4 bytes into an allocation; slots 198 bytes apart)."""
     page, slot = module.PAGE_SIZE, module.SLOT_BYTES
     if kind == "head_major":
-        return head_major_cache(module, num_blocks, num_kv_heads, device)
-    if kind == "position_major":
         return module.make_cache(num_blocks, num_kv_heads, device)
+    if kind == "position_major":
+        return position_major_cache(module, num_blocks, num_kv_heads, device)
     if kind == "unaligned_start":
         flat = torch.zeros(num_blocks * page * num_kv_heads * slot + 4, dtype=torch.uint8, device=device)
         return flat[4:].view(num_blocks, page, num_kv_heads, slot)
@@ -624,13 +624,13 @@ SLOTS_MMA_CASES = [  # (head_dim, page, block_kv, group_size, num_splits, num_st
 @gpu_test
 def test_slots_mma_decode_matches_reference(build_module, monkeypatch, head_dim, page, block_kv, group_size, num_splits,
                                             num_stages, head_major):
-    """fp8 keys in slots on the Gluon kernel against the float64 reference, the cache as vLLM allocates it
-    (head-major) or as make_cache does: ragged lengths around tile and page bounds (and 0)."""
+    """fp8 keys in slots on the Gluon kernel against the float64 reference, the cache as vLLM and make_cache
+    allocate it (head-major) or position-major: ragged lengths around tile and page bounds (and 0)."""
     config = mma_config("k8v4", head_dim, block_size=page, cache_layout="slots")
     module = build_module(config)
     spy = _spy(module, monkeypatch)
     check_decode(module, config, "cuda", MANY_LENS, group_size=group_size, block_kv=block_kv, num_splits=num_splits,
-                 num_warps=1, num_stages=num_stages, head_major=head_major)
+                 num_warps=1, num_stages=num_stages, position_major=not head_major)
     assert len(spy.launches) == 1 and spy.launches[0][2]["STAGES"] == num_stages
 
 
@@ -652,14 +652,39 @@ MSE_SLOTS_MMA_CASES = [  # (preset, page, block_kv, group_size, num_splits, num_
 def test_mse_slots_mma_decode_matches_reference(build_module, monkeypatch, preset, page, block_kv, group_size,
                                                 num_splits, num_stages, head_major, norm_correction):
     """MSE keys in slots on the Gluon kernel (fields shifted out of the copied words, the norm correction from
-    the squared centroids) against the float64 reference, the cache as vLLM allocates it (head-major) or as
-    make_cache does: ragged lengths around tile and page bounds (and 0)."""
+    the squared centroids) against the float64 reference, the cache as vLLM and make_cache allocate it
+    (head-major) or position-major: ragged lengths around tile and page bounds (and 0)."""
     config = mma_config(preset, block_size=page, cache_layout="slots", norm_correction=norm_correction)
     module = build_module(config)
     spy = _spy(module, monkeypatch)
     check_decode(module, config, "cuda", MANY_LENS, group_size=group_size, block_kv=block_kv, num_splits=num_splits,
-                 num_warps=1, num_stages=num_stages, head_major=head_major)
+                 num_warps=1, num_stages=num_stages, position_major=not head_major)
     assert len(spy.launches) == 1 and spy.launches[0][2]["STAGES"] == num_stages
+
+
+@pytest.mark.parametrize("preset", ["k8v4", "k3v4", "k4v4", "k3v3"])
+@gpu_test
+def test_slots_mma_decode_gives_the_same_bits_in_either_dim_order(build_module, monkeypatch, preset):
+    """The same stored slots decoded on the Gluon kernel with one launch: from make_cache's head-major cache, again,
+    and from a position-major copy. Where a field starts in its copied word differs between the orders (by the
+    position's parity, by the head), the arithmetic on the fields does not: every output bit must agree (the max
+    difference is reported if not)."""
+    config = mma_config(preset, cache_layout="slots")
+    module = build_module(config)
+    spy = _spy(module, monkeypatch)
+    batch, cache = stored_cache(module, config, [37, 90, 16, 1], "cuda")
+    codebook = codebook_kwargs(module, config, "cuda")
+    query = torch.randn(4, 8, config.head_dim, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+
+    def decode(kv_cache):
+        return module.decode(query, kv_cache, batch.block_table, batch.seq_lens, block_kv=32, num_splits=2,
+                             num_warps=1, num_stages=2, **codebook)
+
+    first = decode(cache)
+    others = {"again": decode(cache), "position-major": decode(as_position_major(cache))}
+    assert len(spy.launches) == 3
+    for name, out in others.items():
+        assert torch.equal(out, first), f"{name}: max |difference| {(out - first).abs().max().item():.3e}"
 
 
 @pytest.mark.parametrize("variant", ["no_norm_correction", "asymmetric_codebook", "fp16_query", "bf16_query",

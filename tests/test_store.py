@@ -13,7 +13,7 @@ from conftest import (HAS_CUDA, KERNEL_FORMATS, PRESETS, KernelRecorder, codeboo
 from tqgen import codebook, reference
 from tqgen.layout import Layout
 from tqgen.plan import Plan
-from tqgen.testing import DECODE_TOLERANCE, as_head_major, paged_batch, relative_error, store_differences
+from tqgen.testing import DECODE_TOLERANCE, as_position_major, paged_batch, relative_error, store_differences
 
 SENTINEL = 0xA5
 
@@ -39,6 +39,30 @@ def test_store_matches_reference_bytes(device, build_module, preset, head_dim, d
     batch = paged_batch(config, [1, 15, 17, 40], num_kv_heads=2, device=device, dtype=dtype, generator=generator)
     _, _, differing = _store_both(module, config, batch, device, num_kv_heads=2)
     assert differing == 0, f"{differing} bytes differ"
+
+
+@pytest.mark.parametrize("preset", ["k8v4", "k3v4"])
+def test_a_slots_make_cache_is_head_major_as_vllm_allocates_it(device, build_module, preset):
+    """make_cache of a slots module: zeroed, [num_blocks, page, num_kv_heads, slot], each KV head's page one run of
+    page * slot bytes of its allocation (vLLM's order); a slot the store writes lies at (block, head, position)
+    of that allocation, as a position-major copy of the cache has it at (block, position, head)."""
+    config = make_config(preset)
+    module = build_module(config)
+    page, slot, heads = config.block_size, module.SLOT_BYTES, 3
+    batch = paged_batch(config, [2 * page + 5, 7], num_kv_heads=heads, device=device,
+                        generator=torch.Generator().manual_seed(5))
+    cache = module.make_cache(batch.num_blocks, heads, device)
+    assert tuple(cache.shape) == (batch.num_blocks, page, heads, slot) and not cache.any()
+    assert cache.stride() == (heads * page * slot, slot, page * slot, 1)
+    module.store(batch.key, batch.value, cache, batch.slot_mapping, **codebook_kwargs(module, config, device))
+    allocation = cache.transpose(1, 2).contiguous().view(-1, page, slot)  # the storage's order, as is
+    assert allocation.data_ptr() == cache.data_ptr()
+    position_major = as_position_major(cache)
+    for token in range(0, len(batch.slot_mapping), 5):
+        block, position = divmod(int(batch.slot_mapping[token]), page)
+        for head in range(heads):
+            assert torch.equal(allocation[block * heads + head, position], position_major[block, position, head])
+            assert allocation[block * heads + head, position].any()
 
 
 @pytest.mark.parametrize("block_size", [1, 32])
@@ -82,8 +106,8 @@ def test_fp8_slots_are_stored_in_words_where_the_cache_keeps_them_aligned(device
     batch = paged_batch(config, [1, 15, 17, 40], num_kv_heads=2, device=device,
                         generator=torch.Generator().manual_seed(head_dim))
     cache = module.make_cache(batch.num_blocks, 2, device).fill_(SENTINEL)
-    if kind == "head_major":
-        cache = as_head_major(cache)
+    if kind == "position_major":
+        cache = as_position_major(cache)
     elif kind == "odd_head_stride":
         padded = torch.full((*cache.shape[:3], module.SLOT_BYTES + 2), SENTINEL, dtype=torch.uint8, device=device)
         cache = padded[..., :module.SLOT_BYTES]

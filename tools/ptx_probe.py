@@ -86,8 +86,8 @@ def compile_stage1(module, block_kv: int, warps: int, stages: int, rotate_query:
 
 def _slots_cache_specialization(module, head_major: bool) -> tuple[dict, tuple[str, ...]]:
     """A slots cache's launch of the Gluon stage 1: its TOKEN_STRIDE and which strides a launch specializes as
-    multiples of 16. Head-major (vLLM's allocation, 8 KV heads): a position is one slot on, a head one page;
-    position-major (tqgen's own): a position is 8 slots on, a head one slot, rarely a multiple of 16."""
+    multiples of 16. Head-major (vLLM's allocation and make_cache's, 8 KV heads): a position is one slot on, a head
+    one page; position-major: a position is 8 slots on, a head one slot, rarely a multiple of 16."""
     if "TOKEN_STRIDE" not in module.tq_decode_stage1_mma.arg_names:  # planes
         return {}, ("stride_",)
     if head_major:
@@ -101,7 +101,7 @@ def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_lau
     """The Gluon stage 1 (tq_decode_stage1_mma) with the constants decode gives it (one warp); stages >= 2
     compiles its cp.async ring of that many tiles; rotate_query the specialization that rotates the caller's
     query itself (MSE keys under the config's Hadamard rotation); head_major (slots configs) the cache as
-    vLLM allocates it, else as tqgen's slots layout lays it out."""
+    vLLM and make_cache allocate it, else position-major."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     extra = {"rotate_query": True} if rotate_query else {}

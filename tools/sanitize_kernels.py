@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tqgen  # noqa: E402
 from tqgen import emit  # noqa: E402
-from tqgen.testing import as_head_major, codebook_kwargs, paged_batch  # noqa: E402
+from tqgen.testing import as_position_major, codebook_kwargs, paged_batch  # noqa: E402
 
 paths = sys.argv[1:] or sorted(str(p) for p in Path(__file__).resolve().parent.parent.glob("configs/*.yaml"))
 for path in paths:
@@ -31,13 +31,14 @@ for path in paths:
     query = torch.randn(5, 12, config.head_dim, device="cuda", dtype=torch.float16)  # group size 3
     for num_splits in (1, 4):
         module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=num_splits, **kwargs)
-    # The Gluon stage 1's cp.async ring (planes, and slots with fp8 keys): every depth the tuner may pick, both tile
-    # sizes, one warp; in slots also on the cache as vLLM allocates it (head-major: its position stride differs).
+    # The Gluon stage 1's cp.async ring (planes, and slots): every depth the tuner may pick, both tile sizes, one
+    # warp; in slots also on a position-major copy of the cache (make_cache's is head-major: the position stride
+    # differs).
     gluon = hasattr(module, "tq_decode_stage1_mma")
     ring = [(block_kv, stages) for block_kv in (32, 64) for stages in (2, 3)] if gluon else []
     caches = [cache]
     if ring and config.cache_layout == "slots":
-        caches.append(as_head_major(cache))
+        caches.append(as_position_major(cache))
     for ring_cache in caches:
         for block_kv, stages in ring:
             module.decode(query, ring_cache, batch.block_table, batch.seq_lens, num_splits=3, block_kv=block_kv,

@@ -6,8 +6,8 @@
 
 Times a whole decode call (CUDA-graph replay, 32-token tiles, --splits splits, one warp) for each register
 cap (the maxnreg that `_mma_stage1_options` gives the kernel, replaced here; 0: no cap) and each ring depth,
-with the copy ceiling measured in the same run. A slots config's cache is laid out as vLLM allocates it
-(head-major), as the tuner times it. Each cap's output is compared with the first cap's: a cap changes only
+with the copy ceiling measured in the same run. A slots config's cache is laid out as vLLM and make_cache
+allocate it (head-major), as the tuner times it. Each cap's output is compared with the first cap's: a cap changes only
 the register allocation, so they must agree (the last column). Prints one table. Registers are allocated
 per warp in units of 8 per lane, and a scheduler holds 64 KB of them: up to 128 a lane, 4 one-warp programs
 per scheduler fit; from 129 to 168, 3.
@@ -48,8 +48,7 @@ def main() -> None:
         module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-caps-"))
         for shape in args.shapes:
             batch, context = map(int, shape.split("x"))
-            problem = testing.random_problem(module, config, batch, context, args.q_heads, 8, "cuda",
-                                             head_major=config.cache_layout == "slots")
+            problem = testing.random_problem(module, config, batch, context, args.q_heads, 8, "cuda")
             codebook = testing.codebook_kwargs(module, "cuda")
             out = torch.empty_like(problem["query"])
             workspace = module.DecodeWorkspace(batch, args.q_heads, 64, "cuda")

@@ -5,7 +5,7 @@
 Quantizes `--tokens` fp16 (key, value) pairs of 8 KV heads into shuffled slots, as `tqgen bench --ops store`
 does, for every (tokens per program, warps) pair: a CUDA-graph replay, median, with the percentage of a
 4268 GB/s copy ceiling (bytes: fp16 read + slots written; pass --ceiling to use another). A slots config is
-timed on tqgen's position-major `make_cache` and on vLLM's head-major allocation of the same shape.
+timed on `make_cache`'s head-major allocation (vLLM's) and on a position-major cache of the same shape.
 """
 
 import argparse
@@ -18,7 +18,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tqgen  # noqa: E402
 from tqgen import emit  # noqa: E402
-from tqgen.testing import as_head_major, codebook_kwargs  # noqa: E402
+from tqgen.testing import as_position_major, codebook_kwargs  # noqa: E402
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     num_blocks = -(-args.tokens // config.block_size)
     caches = {"make_cache": module.make_cache(num_blocks, heads, "cuda")}
     if config.cache_layout == "slots":
-        caches["head-major"] = as_head_major(caches["make_cache"])
+        caches["position-major"] = as_position_major(caches["make_cache"])
     slots = torch.randperm(num_blocks * config.block_size, device="cuda")[:args.tokens]
     codebook = codebook_kwargs(module, "cuda")
     nbytes = 2 * key.numel() * key.element_size() + args.tokens * heads * module.SLOT_BYTES

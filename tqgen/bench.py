@@ -17,7 +17,7 @@ read plus bytes written against the same ceiling.
 
 `bench_vllm_decode` times the drop-in for vLLM (tqgen.vllm) as vLLM's backend calls it: on
 vLLM's head-major cache, with its workspace buffers and split cap, against the same ceiling and
-SDPA, and against the module's own decode on the same bytes position-major.
+SDPA, and against the module's own decode of the same bytes (the allocation make_cache makes too).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 
 from .config import Config
 from .files import write_atomic
-from .testing import as_head_major, codebook_kwargs, random_problem
+from .testing import codebook_kwargs, random_problem
 from .tuned_files import LAUNCH_FIELDS, ROTATE_FIELD, candidate_id
 
 SEED_LAUNCH = dict(num_splits=32, block_kv=32, num_warps=1, num_stages=1)
@@ -82,8 +82,8 @@ class VllmDecodeRow:
     ceiling_pct: float
     sdpa_us: float
     speedup_vs_sdpa: float
-    module_us: float  # the module's own decode of the same bytes (slots: in position-major order), same splits
-    module_cost: float  # graph_us / module_us: what the drop-in and vLLM's head-major order cost
+    module_us: float  # the module's own decode of the same bytes, same splits
+    module_cost: float  # graph_us / module_us: what the drop-in costs
 
 
 def copy_ceiling_gbps(device="cuda", nbytes: int = 2 << 30) -> float:
@@ -164,7 +164,7 @@ def bench_vllm_decode(module: ModuleType, config: Config, batch: int, context: i
     """tqgen.vllm's decode as vLLM's backend calls it, in the config's cache layout: the cache allocated
     head-major (num_blocks, num_kv_heads, block_size, slot) and passed transposed, the workspace's mid_o_buf,
     output_buf and lse_buf, the config's rotation and centroids; beside it the module's own decode of the
-    same bytes (slots: copied into position-major order; planes: the allocation's pages themselves)."""
+    same bytes (slots: the head-major cache make_cache allocates too; planes: the allocation's pages themselves)."""
     import triton
 
     from . import vllm
@@ -176,7 +176,7 @@ def bench_vllm_decode(module: ModuleType, config: Config, batch: int, context: i
     if config.cache_layout == "planes":  # the pages [num_blocks, Hk, block_size * slot] are the allocation
         head_major = cache.view(cache.shape[0], num_kv_heads, config.block_size, slot_bytes).transpose(1, 2)
     else:
-        head_major = as_head_major(cache)
+        head_major = cache  # random_problem lays a slots cache out as make_cache does: head-major
     codebook = codebook_kwargs(module, device)
     rotation = codebook.get("rotation")
     pi = rotation.t().contiguous() if rotation is not None else None  # vLLM's PiT is tqgen's rotation
@@ -288,8 +288,7 @@ def format_table(rows: list[BenchRow], ceiling_gbps: float, op_rows: list[OpRow]
                          f"| {r.gbps:.0f} | {r.ceiling_pct:.1f} |")
     if vllm_rows:
         lines += ["", "tqgen.vllm decode on vLLM's head-major cache (vLLM's buffers, splits capped at "
-                  f"{VLLM_MAX_KV_SPLITS}; module us: the module's own decode of the same bytes, slots in "
-                  "position-major order):",
+                  f"{VLLM_MAX_KV_SPLITS}; module us: the module's own decode of the same bytes):",
                   "| config | layout | batch | context | us (graph) | GB/s | % ceiling | fp16 SDPA us | x SDPA "
                   "| module us | drop-in / module |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -103,15 +103,22 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def as_head_major(cache: torch.Tensor) -> torch.Tensor:
-    """A slots cache's bytes laid out as vLLM allocates them, [num_blocks, num_kv_heads, page, slot] underneath
-    (each KV head's page contiguous), viewed in the slots layout's dim order [num_blocks, page, num_kv_heads, slot]."""
+    """A slots cache's bytes laid out as vLLM allocates them (and make_cache does), [num_blocks, num_kv_heads, page,
+    slot] underneath (each KV head's page contiguous), viewed in the slots layout's dim order [num_blocks, page,
+    num_kv_heads, slot]. A cache already laid out so is returned as is."""
     return cache.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def as_position_major(cache: torch.Tensor) -> torch.Tensor:
+    """A slots cache's bytes in the other dim order the kernels take: contiguous [num_blocks, page, num_kv_heads,
+    slot], the KV heads' slots of a position side by side."""
+    return cache.contiguous()
+
+
 def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_heads: int, device,
-                 generator: torch.Generator | None = None, head_major: bool = False) -> torch.Tensor:
+                 generator: torch.Generator | None = None, position_major: bool = False) -> torch.Tensor:
     """A random cache in the config's layout, with plausible fields: fp16 norm/scale/zero in range, fp8 keys of N(0, 1) keys.
-    `head_major` (slots): laid out as vLLM allocates it (as_head_major).
+    A slots cache is laid out as make_cache lays it out (as_head_major); `position_major` as_position_major.
 
     Random fp8 bytes would give keys up to 240 and softmax weights so peaked that
     fp16 rounding of the query alone exceeds the tuner's tolerance. `generator`
@@ -135,22 +142,23 @@ def random_cache(module: ModuleType, config: Config, num_blocks: int, num_kv_hea
         cache[..., : config.head_dim] = keys.to(torch.float8_e4m3fn).view(torch.uint8)
     layout = Layout.from_config(config)
     if not layout.planes:
-        return as_head_major(cache) if head_major else cache
+        return cache if position_major else as_head_major(cache)
     # The reference conversion unpacks codes to int64 bits: a block at a time keeps a large cache in memory.
     return torch.cat([reference.slots_to_pages(layout, blocks) for blocks in cache.split(1024)])
 
 
 def random_problem(module: ModuleType, config: Config, batch: int, context: int, num_q_heads: int,
                    num_kv_heads: int, device, generator: torch.Generator | None = None,
-                   head_major: bool = False) -> dict:
+                   position_major: bool = False) -> dict:
     """A full-length decode batch over a random cache in shuffled blocks: cache, block_table, seq_lens, query.
 
-    `generator` (on `device`) makes the problem reproducible; None draws from torch's global one; `head_major`
+    `generator` (on `device`) makes the problem reproducible; None draws from torch's global one; `position_major`
     as random_cache's.
     """
     blocks_per_seq = -(-context // config.block_size)
     return {
-        "cache": random_cache(module, config, batch * blocks_per_seq, num_kv_heads, device, generator, head_major),
+        "cache": random_cache(module, config, batch * blocks_per_seq, num_kv_heads, device, generator,
+                              position_major),
         "block_table": torch.randperm(batch * blocks_per_seq, device=device, generator=generator).to(torch.int32)
                             .view(batch, blocks_per_seq),
         "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=device),

@@ -76,9 +76,9 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
     """Time every candidate of one bucket; returns the bucket's entry for the tuned file."""
     started = time.monotonic()
     generator = torch.Generator(device=device).manual_seed(PROBLEM_SEED)
-    # A slots cache is timed as vLLM allocates it (head-major), the allocation the slots layout exists for.
+    # A slots cache is timed as make_cache and vLLM allocate it (head-major).
     problem = random_problem(module, config, batch, context, num_kv_heads * group_size, num_kv_heads, device,
-                             generator, head_major=not Layout.from_config(config).planes)
+                             generator)
     codebook = codebook_kwargs(module, device)
     # The check reads a copy of the blocks its sequences use (the reference converts the whole cache
     # it is given: a planes cache at 32 x 65536 would take tens of GB).
