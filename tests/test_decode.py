@@ -132,13 +132,17 @@ def test_one_split_and_many_splits_agree(device, build_module):
 
 
 def test_gqa_equals_heads_expanded(device, build_module):
-    """Group size 4 over 2 KV heads == group size 1 over the KV heads repeated 4 times."""
+    """Group size 4 over 2 KV heads == group size 1 over the KV heads repeated 4 times, on the tl.dot stage 1
+    (2 warps). The Gluon stage 1 is checked against the reference at each group size (test_decode_mma): its
+    lazy running max moves for all of a program's query heads at once, so the two groupings round their fp16
+    probabilities against different maxima and agree only to that rounding."""
     config = make_config("k4v4")
     module = build_module(config)
     batch, cache, query, kwargs = _decode_inputs(module, config, [37, 90], device, query_seed=6)
     expanded = cache.repeat_interleave(4, dim=2).contiguous()
-    grouped = module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=2, **kwargs)
-    mha = module.decode(query, expanded, batch.block_table, batch.seq_lens, num_splits=2, **kwargs)
+    launch = dict(num_splits=2, block_kv=32, num_warps=2, num_stages=1)
+    grouped = module.decode(query, cache, batch.block_table, batch.seq_lens, **launch, **kwargs)
+    mha = module.decode(query, expanded, batch.block_table, batch.seq_lens, **launch, **kwargs)
     assert relative_error(mha, grouped) < 1e-5
 
 
