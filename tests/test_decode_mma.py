@@ -157,6 +157,10 @@ COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correct
     *[(preset, 128, page, block_kv, group_size, norm_correction, 2, False, "slots-head-major")
       for preset in ("k3v4", "k4v4") for page, block_kv, group_size, norm_correction in [
           (64, 32, 4, True), (128, 64, 4, True), (16, 32, 1, True), (16, 32, 16, True), (16, 32, 4, False)]],
+    # small pages with a ring: its page bits at their limit (16 pages x 2 slots, 8 x 3; _mma_ring_fits)
+    ("k8v4", 128, 2, 32, 4, True, 2, False, "slots-head-major"), ("k3v4", 128, 2, 32, 4, True, 2, False,
+                                                                  "slots-position-major"),
+    ("k4v4", 128, 4, 32, 4, True, 3, False, "slots-head-major"),
 ]
 
 
@@ -371,6 +375,39 @@ def test_mse_slots_decode_takes_the_mma_kernel_through_its_ring(build_module, mo
     if expect_mma:
         _, args, launch = mma.launches[0]
         assert launch["TOKEN_STRIDE"] == cache.stride(1) and launch["STAGES"] == stages and args[1] is cache
+
+
+@pytest.mark.parametrize("preset", ["k8v4", "k3v4", "k3v3"])
+@pytest.mark.parametrize("page,block_kv,stages,ring_fits", [
+    (1, 32, 1, True), (1, 32, 2, False), (2, 32, 2, True), (2, 64, 2, False), (2, 32, 3, False), (4, 64, 2, True),
+    (4, 32, 3, True), (4, 64, 3, False), (4, 32, 4, True), (16, 64, 4, True)])
+def test_small_pages_take_the_mma_kernel_where_its_ring_tracks_them(build_module, monkeypatch, preset, page, block_kv,
+                                                                   stages, ring_fits):
+    """The Gluon stage 1's ring keeps one bit per page of each ring slot's tile in a 32-bit word, so a launch whose
+    pages per tile (block_kv // min(block_kv, page)) times stages pass 32 takes the tl.dot kernel (decoding them
+    on the Gluon kernel lost the pages of the second ring slot: every other tile masked), in decode and in
+    decode_multi; the slots of MSE keys take the Gluon kernel with a ring only."""
+    config = mma_config(preset, cache_layout="slots", block_size=page)
+    module = build_module(config)
+    expect_mma = ring_fits and stages >= module.MMA_MIN_STAGES
+    assert module._mma_ring_fits(block_kv, stages) == ring_fits
+    device = "cuda" if HAS_CUDA else "cpu"
+    mma, dot = _record_stage1(module, monkeypatch, expect_mma)
+    blocks_per_seq = 64 // page
+    cache = module.make_cache(2 * blocks_per_seq, 2, device)
+    table = torch.arange(2 * blocks_per_seq, dtype=torch.int32, device=device).view(2, blocks_per_seq)
+    launch = dict(num_warps=1, block_kv=block_kv, num_splits=2, num_stages=stages, **codebook_kwargs(module, config,
+                                                                                                   device))
+    module.decode(torch.randn(2, 8, 128, device=device), cache, table,
+                  torch.tensor([40, 64], dtype=torch.int32, device=device), **launch)
+    assert (len(mma.launches), len(dot.launches)) == ((1, 0) if expect_mma else (0, 1))
+    multi_mma = KernelRecorder()
+    monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", multi_mma)
+    monkeypatch.setattr(module, "tq_decode_multi_stage1", KernelRecorder())
+    monkeypatch.setattr(module, "tq_decode_stage2", KernelRecorder())  # nothing to merge: stage 1 was recorded
+    module.decode_multi(torch.randn(2, 2, 8, 128, device=device), cache, table,
+                        torch.tensor([40, 64], dtype=torch.int32, device=device), **launch)
+    assert len(multi_mma.launches) == int(expect_mma)
 
 
 def _numpy_byte_perm(low, high, selector):
@@ -617,6 +654,8 @@ SLOTS_MMA_CASES = [  # (head_dim, page, block_kv, group_size, num_splits, num_st
     (64, 16, 32, 4, 3, 2, True), (256, 16, 32, 4, 3, 2, True), (128, 32, 64, 4, 3, 1, True), (128, 64, 64, 4, 3, 2, True),
     (128, 128, 32, 4, 3, 2, False),
     *[(128, 16, 32, group_size, num_splits, 2, True) for group_size in (1, 6, 8, 16) for num_splits in (1, 16)],
+    # small pages: the ring's page bits at their limit (16 pages x 2 slots), 8 x 3, and a tile of 32 pages unringed
+    (128, 2, 32, 4, 3, 2, True), (128, 4, 32, 4, 3, 3, False), (128, 1, 32, 4, 3, 1, True),
 ]
 
 
@@ -643,6 +682,8 @@ MSE_SLOTS_MMA_CASES = [  # (preset, page, block_kv, group_size, num_splits, num_
       for group_size in (1, 6, 8, 16) for num_splits in (1, 16)],
     ("k3v4", 16, 32, 4, 3, 2, True, False), ("k4v4", 16, 64, 4, 3, 3, False, False),
     ("k3v3", 64, 32, 8, 16, 2, True, True), ("k3v3", 16, 32, 1, 1, 2, False, True),
+    # small pages, the ring's page bits at their limit: 16 pages x 2 slots, 8 x 3
+    ("k3v4", 2, 32, 4, 3, 2, True, True), ("k4v4", 4, 32, 4, 3, 3, False, True), ("k3v3", 2, 32, 4, 3, 2, False, True),
 ]
 
 
