@@ -58,6 +58,7 @@ def key_units(config):
     (dict(preset="k3v4", cache_layout="slots"), True), (dict(preset="k4v4", cache_layout="slots"), True),
     (dict(preset="k3v4", cache_layout="slots", norm_correction=False), True),
     (dict(preset="k3v3", cache_layout="slots"), True),  # a packed 3-bit value stream too
+    (dict(preset="k4v4", cache_layout="slots", value_bits=3), False),  # not yet run on a GPU (Plan.mma_halfword_slots)
     (dict(preset="k3v4", cache_layout="slots", head_dim=64), False), (dict(preset="k4v4", cache_layout="slots", head_dim=256), False),
     # slots with fp8 keys and 4-bit values: every field 4-byte aligned in every slot
     (dict(preset="k8v4", arch="sm90", cache_layout="slots"), True),
@@ -234,8 +235,8 @@ def test_every_launch_compiles_for_sm90(compiled_cases, case):
     else:
         plan = Plan.from_config(mma_config(preset, head_dim, block_size=page, cache_layout=layout.split("-")[0]))
         token_bytes = sum((field.units or 1) * field.unit_bytes for field in plan.ring_fields)
-        # Every used byte once; slots with MSE keys: the 18 words from the norm, 16 key words (3-bit: 13
-        # distinct) and the words after the lanes' runs.
+        # Every used byte once; slots with MSE keys copy more: each field from the word at or before it, the
+        # words after the lanes' runs, and (3-bit keys) 16 key words of which 13 distinct.
         assert token_bytes == plan.layout.used_bytes if not halfword_slots else token_bytes > plan.layout.used_bytes
         ring_bytes = stages * block_kv * token_bytes
         # The conversion's scratch may share the ring's memory (it is dead before the loop) or lie beside it.
@@ -408,6 +409,16 @@ def test_small_pages_take_the_mma_kernel_where_its_ring_tracks_them(build_module
     module.decode_multi(torch.randn(2, 2, 8, 128, device=device), cache, table,
                         torch.tensor([40, 64], dtype=torch.int32, device=device), **launch)
     assert len(multi_mma.launches) == int(expect_mma)
+
+
+@pytest.mark.parametrize("page,stages", [(1, 1), (2, 2), (16, 2)])
+def test_the_slots_fp8_heuristic_takes_a_ring_only_where_it_fits(build_module, page, stages):
+    """fp8 keys in slots: at 32 x 16384 the heuristic takes 32-token tiles in a ring of 2, but for pages of 1
+    (32 pages a tile: more page bits than the ring keeps) 64-token tiles loaded where used, which the Gluon
+    kernel still runs, rather than a ring that would send the launch to the tl.dot kernel."""
+    module = build_module(mma_config("k8v4", cache_layout="slots", block_size=page))
+    block_kv, warps, num_stages, _ = module.heuristic_launch(32, 8, 16384, 132)
+    assert (warps, num_stages) == (1, stages) and module._mma_ring_fits(block_kv, num_stages)
 
 
 def _numpy_byte_perm(low, high, selector):

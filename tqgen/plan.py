@@ -167,10 +167,12 @@ class Plan:
         2-byte aligned (their size is 2 mod 4), so every field starts at byte 0 or 2 of a 32-bit word, by the
         parity of its position and the offset of its head. Each token's words are copied from the word at or
         before each field and shifted by a byte permute per word where the field starts mid-word. Only with a
-        ring (STAGES >= 2)."""
+        ring (STAGES >= 2). 3-bit values with 3-bit keys only (k3v3): 4-bit keys with 3-bit values pass the CPU
+        emulation and compile, but have not run on a GPU yet, so they keep the tl.dot kernel."""
         layout = self.layout
         return (not layout.planes and not layout.key_fp8 and layout.key_bits in (3, 4)
-                and layout.value_bits in (3, 4) and layout.head_dim == 128)
+                and (layout.value_bits == 4 or (layout.value_bits, layout.key_bits) == (3, 3))
+                and layout.head_dim == 128)
 
     @property
     def symmetric_key_lookup(self) -> bool:

@@ -42,7 +42,7 @@ The cache layout (`TQGEN_VLLM_CACHE_LAYOUT`, or `set_cache_layout` before the fi
 - "planes": the same allocation holds tqgen's page-planar layout instead. vLLM's head-major tensor is
   `(num_blocks, num_kv_heads, block_size, slot)`, so each KV head's page is `block_size * slot` contiguous
   bytes, exactly a page of a planes cache (docs/format.md); store, decode and dequantize here read and
-  write it as one, and decode runs the planes kernels (2-5x faster than slots, BENCHMARKS.md). The bytes
+  write it as one, and decode runs the planes kernels (1.1-1.4x faster than slots, BENCHMARKS.md). The bytes
   are then tqgen's, not vLLM's: every kernel that touches the cache must come from here (vLLM's backend
   imports nothing else that reads it), the cache must be vLLM's head-major allocation, and MSE keys
   need norm correction (every vLLM MSE preset has it) and the default codebook (vLLM's Lloyd-Max
