@@ -16,7 +16,7 @@ Decisions, each with its reason:
   fill 32-bit loads); and for "slots" with hardware fp8 keys and 4-bit values, whose
   fields and slots are 4-byte aligned (`Layout.slot_fields_word_aligned`): the same
   decode, fed by 4-byte copies of each token's fields; and for "slots" with 3- or 4-bit
-  MSE keys and 3- or 4-bit values at head_dim 128 (`mma_halfword_slots`), whose fields are
+  MSE keys and 4-bit values, or k3v3, at head_dim 128 (`mma_halfword_slots`), whose fields are
   only 2-byte aligned: the copies start at the 4-byte word at or before each field and
   the reader shifts by 16 bits where the field starts mid-word (one byte permute per
   word); the norm correction is computed per tile (the slot holds the original norm).
