@@ -870,9 +870,11 @@ def test_mma_decode_replays_in_a_cuda_graph(build_module, monkeypatch, preset, n
 def test_stage1_variants_render_only_when_asked_and_only_for_the_gluon_kernel_with_mse_keys():
     config = make_config("k3v4", cache_layout="planes", arch="sm90")
     assert render.render(config) == render.render(config, stage1_variant="shipped")
-    for variant in ("load_only", "compute_only"):
+    for variant in ("load_only", "compute_only", "pair_table"):
         source = render.render(config, stage1_variant=variant)
         assert "EXPERIMENT" in source and source != render.render(config)
+    with pytest.raises(ValueError, match="split 3-bit keys only"):
+        render.render(make_config("k4v4", cache_layout="planes", arch="sm90"), stage1_variant="pair_table")
     assert "EXPERIMENT" not in render.render(config)
     for refused in (make_config("k8v4", cache_layout="planes", arch="sm90"), make_config("k3v4", arch="sm90")):
         with pytest.raises(ValueError, match="Gluon stage 1 with MSE keys only"):
@@ -889,13 +891,16 @@ from tqgen import config as config_mod
 config = config_mod.resolve_arch(config_mod.load("configs/k3v3-d128-planes.yaml"), (9, 0))
 for variant, module in stage1_variants.variant_modules(config, tempfile.mkdtemp()):
     ptx = ptx_probe.compile_stage1_mma(module, 32).asm["ptx"]
-    print(json.dumps(dict(variant=variant, mma=ptx.count("mma.sync.aligned"), loads=ptx.count("ld.global"))))
+    print(json.dumps(dict(variant=variant, mma=ptx.count("mma.sync.aligned"), loads=ptx.count("ld.global"),
+                          table_loads=ptx.count("ld.shared.b32 "), permutes=ptx.count("prmt.b32"))))
 """
 
 
 def test_stage1_variants_compile_and_keep_what_they_claim():
     """load_only keeps every load of the shipped loop and no MMA; compute_only every MMA and only the loads
-    before the loop (offline sm90 compiles, in a process without the interpreter)."""
+    before the loop; pair_table the MMAs and loads, with one shared-memory table read per pair of key codes (64 a
+    32-token tile) in place of the key lookups' byte permutes (offline sm90 compiles, in a process without the
+    interpreter)."""
     environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     result = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT], cwd=REPO, env=environment, capture_output=True,
@@ -905,6 +910,11 @@ def test_stage1_variants_compile_and_keep_what_they_claim():
     assert report["shipped"]["mma"] == report["compute_only"]["mma"] > 0 and report["load_only"]["mma"] == 0
     loop_loads = report["shipped"]["loads"] - report["compute_only"]["loads"]  # compute_only: the prologue's only
     assert loop_loads > 0 and report["load_only"]["loads"] >= loop_loads
+    table = report["pair_table"]
+    # Every load but the codebook's (the experiment's table entries do not read it).
+    assert table["mma"] == report["shipped"]["mma"] and table["loads"] == report["shipped"]["loads"] - 1
+    assert table["table_loads"] == 64 and report["shipped"]["table_loads"] == 0
+    assert table["permutes"] <= report["shipped"]["permutes"] - 128  # 2 lookups and 2 interleaves per 4 codes
 
 
 _LOOP_LISTING = "\n".join(f"        /*{address:04x}*/                   {instruction} ;" for address, instruction in [
@@ -929,3 +939,31 @@ def test_the_loop_mix_counts_the_longest_loop_and_what_its_forward_branches_skip
 
     assert ptx_probe.loop_mix(_LOOP_LISTING) == ("10 SASS instructions in the loop (forward branches in it skip 3): "
                                                  "BRA 3, FMUL 3, LOP3 2, ISETP 1, HMMA 1")
+
+
+def test_the_ncu_summary_reads_stalls_and_the_loops_opcodes_from_the_exports(tmp_path):
+    """tools/ncu_summary.py over a made-up pair of exports in Nsight Compute's CSV form: stall reasons sorted,
+    the loop being the instructions run at least a quarter as often as the hottest, by opcode."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tools"))
+    import ncu_summary
+
+    names = ["gpu__time_duration.sum", "smsp__issue_active.avg.per_cycle_active",
+             "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+             "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio"]
+    (tmp_path / "k.raw.csv").write_text("\n".join(",".join(f'"{cell}"' for cell in row) for row in
+                                                  (names, ["us", "", "", ""], ["183.1", "0.60", "1,210", "0.99"])))
+    columns = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_wait",
+               "stall_math", "stall_wait (Not Issued)"]
+    lines = [("0x10", "LDC R1, c[0x0][0x28]", "5", "10", "5", "0", "5"),  # the prologue: run once per program
+             ("0x20", "@!P0 PRMT R2, R3, 0x5140, R4", "30", "1000", "20", "10", "20"),
+             ("0x30", "PRMT R5, R6, 0x7362, R7", "10", "1000", "10", "0", "10"),
+             ("0x40", "HMMA.16816.F32 R8, R12, R16, R8", "60", "500", "0", "60", "0")]
+    (tmp_path / "k.sass.csv").write_text("\n".join([f'"Kernel Name","tq_decode_stage1_mma",']
+                                                  + [",".join(f'"{cell}"' for cell in row) for row in [columns, *lines]]))
+    metrics, stalls = ncu_summary.raw_summary(str(tmp_path / "k.raw.csv"))
+    assert metrics == {"gpu__time_duration.sum": "183.1 us", "smsp__issue_active.avg.per_cycle_active": "0.60"}
+    assert list(stalls.items()) == [("wait", 1210.0), ("math_pipe_throttle", 0.99)]
+    loop = ncu_summary.sass_summary(str(tmp_path / "k.sass.csv"))
+    assert list(loop) == ["PRMT", "HMMA"]
+    assert loop["PRMT"][:2] == (0.8, 0.4) and loop["PRMT"][2] == [("wait", 0.75), ("math", 0.25)]
+    assert loop["HMMA"] == (0.2, 0.6, [("math", 1.0)])

@@ -2,31 +2,58 @@
 
     ncu --clock-control none -k regex:tq_decode_stage1 -s 2 -c 1 --section SpeedOfLight \\
         --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \\
-        python3 tools/profile_decode.py 32x16384 configs/k3v4-d128-planes.yaml
+        python3 tools/profile_decode.py 32x16384 configs/k3v4-d128-planes.yaml [--variant pair_table]
+        [--block-kv 32 --stages 2 --splits 16]
 
 Each config decodes a random full-length batch (`tqgen.testing.random_problem`, 32 query and
-8 KV heads) at its tuned launch, three times: `-s 2` skips the first two stage-1 launches,
-which include compilation.
+8 KV heads) at its tuned launch (or the launch fields given), three times: `-s 2` skips the first two
+stage-1 launches, which include compilation. --variant renders a stage-1 experiment of
+tools/stage1_variants.py instead of the shipped kernel.
 """
 
+import argparse
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tqgen  # noqa: E402
-from tqgen import bench, emit, testing  # noqa: E402
+from tqgen import emit, render, testing  # noqa: E402
+from tqgen import config as config_mod  # noqa: E402
 
-batch, context = map(int, sys.argv[1].split("x"))
-for path in sys.argv[2:]:
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("shape", help="BATCHxCONTEXT")
+parser.add_argument("configs", nargs="+")
+parser.add_argument("--variant", default="shipped")
+parser.add_argument("--block-kv", type=int)
+parser.add_argument("--stages", type=int)
+parser.add_argument("--splits", type=int)
+args = parser.parse_args()
+batch, context = map(int, args.shape.split("x"))
+for path in args.configs:
     config = emit.as_config(path)
-    module = tqgen.load(config)
+    if args.variant == "shipped":
+        module = tqgen.load(config)
+    else:
+        config = config_mod.resolve_arch(config, None)
+        source = os.path.join(tempfile.mkdtemp(prefix="tqgen-profile-"), f"{config.artifact_name()}_{args.variant}.py")
+        with open(source, "w") as handle:
+            handle.write(render.render(config, stage1_variant=args.variant))
+        module = emit.import_module_file(source)
     problem = testing.random_problem(module, config, batch, context, 32, 8, "cuda")
     out = torch.empty_like(problem["query"])
     workspace = module.DecodeWorkspace(batch, 32, 64, "cuda")
+    launch = dict(zip(("block_kv", "num_warps", "num_stages", "num_splits"),
+                      module.decode_launch(batch, 8, 4, context, problem["cache"].device)))
+    for name, value in (("block_kv", args.block_kv), ("num_stages", args.stages), ("num_splits", args.splits)):
+        if value:
+            launch[name] = value
     for _ in range(3):
         module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"], out=out,
-                      workspace=workspace, validate=False, max_seq_len=context)
+                      workspace=workspace, validate=False, max_seq_len=context, **launch,
+                      **testing.codebook_kwargs(module, "cuda"))
     torch.cuda.synchronize()
-    print(f"{path}: decode at {batch} x {context} ran 3 times", flush=True)
+    print(f"{path} ({args.variant}): decode at {batch} x {context}, {launch}, ran 3 times", flush=True)

@@ -33,10 +33,10 @@ from tqgen import config as config_mod, emit, render  # noqa: E402
 from tqgen.plan import STAGE1_VARIANTS  # noqa: E402
 
 
-def variant_modules(config, folder):
+def variant_modules(config, folder, variants=STAGE1_VARIANTS):
     """(variant, imported module) for each stage-1 variant of one config."""
     out = []
-    for variant in STAGE1_VARIANTS:
+    for variant in variants:
         path = os.path.join(folder, f"{config.artifact_name()}_{variant}.py")
         with open(path, "w") as handle:
             handle.write(render.render(config, stage1_variant=variant))
@@ -55,7 +55,15 @@ def compile_only(configs) -> None:
                   f"SASS, ld.global x{ptx.count('ld.global')}, mma x{ptx.count('mma.sync')}", flush=True)
 
 
-def time_variants(configs, shapes) -> None:
+# The variants without a ring (their loads are where they are used, or gone); the others run the launch's stages.
+ONE_STAGE_VARIANTS = ("load_only", "compute_only")
+
+
+def _stages_label(variant):
+    return "1 stage" if variant in ONE_STAGE_VARIANTS else "the launch's stages"
+
+
+def time_variants(configs, shapes, variants=STAGE1_VARIANTS, block_kv=None) -> None:
     import torch
     import triton
 
@@ -64,20 +72,25 @@ def time_variants(configs, shapes) -> None:
     ceiling = bench.copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s on {torch.cuda.get_device_name()}; 32 query / 8 KV heads, graph replay")
     print("| config | batch x context | launch | shipped launch us | "
-          + " | ".join(f"{v} us (1 stage)" for v in STAGE1_VARIANTS) + " | shipped % of ceiling | load-only % | compute-only / shipped | load-only / shipped |")
-    print("|---|---|---|---|" + "---|" * (len(STAGE1_VARIANTS) + 4))
+          + " | ".join(f"{v} us ({_stages_label(v)})" for v in variants)
+          + " | shipped % of ceiling | " + " | ".join(f"{v} / shipped" for v in variants if v != "shipped") + " |")
+    print("|---|---|---|---|" + "---|" * (2 * len(variants)))
     for config in configs:
-        modules = variant_modules(config, tempfile.mkdtemp(prefix="tqgen-variants-"))
+        modules = variant_modules(config, tempfile.mkdtemp(prefix="tqgen-variants-"), ("shipped",) + tuple(
+            v for v in variants if v != "shipped"))
         shipped = modules[0][1]
         for batch, context in shapes:
             problem = testing.random_problem(shipped, config, batch, context, 32, 8, "cuda")
             codebook = testing.codebook_kwargs(shipped, "cuda")
             launch = dict(zip(("block_kv", "num_warps", "num_stages", "num_splits"),
                               shipped.decode_launch(batch, 8, 4, context, problem["cache"].device)))
+            if block_kv:
+                launch["block_kv"] = block_kv
             out = torch.empty_like(problem["query"])
             workspace = shipped.DecodeWorkspace(batch, 32, 64, "cuda")
             times = {}
-            runs = [("launch", shipped, launch["num_stages"])] + [(v, m, 1) for v, m in modules]
+            runs = [("launch", shipped, launch["num_stages"])] + [
+                (v, m, 1 if v in ONE_STAGE_VARIANTS else launch["num_stages"]) for v, m in modules if v in variants]
             for variant, module, stages in runs:
                 print(f"  {config.name} {batch} x {context}: {variant}", file=sys.stderr, flush=True)
                 def call(module=module, stages=stages):
@@ -91,9 +104,9 @@ def time_variants(configs, shapes) -> None:
             percent = {v: 100 * nbytes / (t * 1e-6) / 1e9 / ceiling for v, t in times.items()}
             print(f"| {config.name} | {batch} x {context} | kv{launch['block_kv']} st{launch['num_stages']} "
                   f"sp{launch['num_splits']} | {times['launch']:.1f} | "
-                  + " | ".join(f"{times[v]:.1f}" for v in STAGE1_VARIANTS)
-                  + f" | {percent['shipped']:.1f} | {percent['load_only']:.1f} "
-                  f"| {times['compute_only'] / times['shipped']:.2f} | {times['load_only'] / times['shipped']:.2f} |",
+                  + " | ".join(f"{times[v]:.1f}" for v in variants)
+                  + f" | {percent['shipped']:.1f} | "
+                  + " | ".join(f"{times[v] / times['shipped']:.2f}" for v in variants if v != "shipped") + " |",
                   flush=True)
             del problem
 
@@ -102,6 +115,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=["configs/k3v4-d128-planes.yaml", "configs/k3v3-d128-planes.yaml"])
     parser.add_argument("--shapes", nargs="+", default=["32x16384", "8x8192"])
+    parser.add_argument("--variants", nargs="+", default=list(STAGE1_VARIANTS), choices=STAGE1_VARIANTS,
+                        help="which variants to time (shipped is always timed)")
+    parser.add_argument("--block-kv", type=int, help="tile size for every run (default: the launch's)")
     parser.add_argument("--compile-only", action="store_true")
     args = parser.parse_args()
     capability = (9, 0) if args.compile_only else None
@@ -109,7 +125,8 @@ def main() -> None:
     if args.compile_only:
         compile_only(configs)
     else:
-        time_variants(configs, [tuple(map(int, shape.split("x"))) for shape in args.shapes])
+        variants = ["shipped"] + [v for v in args.variants if v != "shipped"]
+        time_variants(configs, [tuple(map(int, shape.split("x"))) for shape in args.shapes], variants, args.block_kv)
 
 
 if __name__ == "__main__":

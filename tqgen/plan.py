@@ -52,8 +52,12 @@ def next_power_of_two(n: int) -> int:
 # Variants of the Gluon stage 1 that tools/stage1_variants.py times beside the shipped kernel (MSE keys):
 # "load_only" keeps every global load of the loop and drops the decode and the MMAs (the loaded words are
 # folded into a result, so the loads stay); "compute_only" keeps the decode and the MMAs and loads nothing
-# in the loop (its words are made from the addresses, in registers). Modules render "shipped".
-STAGE1_VARIANTS = ("shipped", "load_only", "compute_only")
+# in the loop (its words are made from the addresses, in registers); "pair_table" (split 3-bit keys) looks each
+# pair of key codes up in a per-lane table of fp16 pairs in shared memory, reading a lane's three key words as one
+# 96-bit stream of 6-bit pair indices (the packed order, which planes does not store: wrong results on purpose,
+# the instruction mix of that decode); "pair_table16" shares each copy of the table between lanes l and l + 16
+# (half its shared memory, two ways of bank conflict). Modules render "shipped".
+STAGE1_VARIANTS = ("shipped", "load_only", "compute_only", "pair_table", "pair_table16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +103,8 @@ class Plan:
         if stage1_variant != "shipped" and (plan.key_fp8 or not plan.mma_stage1 or not plan.planes):
             raise ValueError(f"stage1_variant {stage1_variant!r} exists for the Gluon stage 1 with MSE keys only, "
                              "in planes")
+        if stage1_variant.startswith("pair_table") and not plan.key_codes.split:
+            raise ValueError(f"stage1_variant {stage1_variant!r} exists for split 3-bit keys only (k3v4, k3v3 in planes)")
         return plan
 
     # --- shapes -------------------------------------------------------------

@@ -1,0 +1,82 @@
+"""Two or more rendered modules of one config, their decode calls timed side by side on the GPU (A/B).
+
+    python3 tools/ab_modules.py CONFIG OLD.py NEW.py [...] [--shapes 32x16384 8x8192]
+                                [--launches 32:2:8 64:2:16 ...] [--q-heads 32]
+
+Each module file is a `tqgen render` of CONFIG (for example from an older commit: `git stash; python3 -m
+tqgen.cli render CONFIG > old.py`). Every module decodes the same random full-length problem (32 query / 8
+KV heads unless --q-heads) at each launch (BLOCK_KV:STAGES:SPLITS, one warp; default: the first module's
+tuned or heuristic launch), as a whole call in CUDA-graph replay (median), with the copy ceiling measured in
+the same run; outputs must agree with the first module's to fp16 rounding (the last column). Prints one
+table: what a change to the kernels buys, before any re-tune (one module: its launches side by side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config")
+    parser.add_argument("modules", nargs="+")
+    parser.add_argument("--shapes", nargs="+", default=["32x16384", "8x8192"])
+    parser.add_argument("--launches", nargs="+", default=[], metavar="BLOCK_KV:STAGES:SPLITS")
+    parser.add_argument("--q-heads", type=int, default=32)
+    args = parser.parse_args()
+
+    import torch
+    import triton
+
+    from tqgen import bench, config as config_mod, emit, testing
+
+    config = config_mod.resolve_arch(config_mod.load(args.config), None)
+    modules = [(os.path.basename(path), emit.import_module_file(path)) for path in args.modules]
+    ceiling = bench.copy_ceiling_gbps()
+    print(f"copy ceiling {ceiling:.0f} GB/s on {torch.cuda.get_device_name()}, triton {triton.__version__}; "
+          f"{args.q_heads} query / 8 KV heads, graph replay")
+    ratios = [f"{name} / {modules[0][0]}" for name, _ in modules[1:]]
+    print("| batch x context | launch | " + " | ".join([f"{name} us" for name, _ in modules] + ratios)
+          + " | % of ceiling (last) | max error against the first |")
+    print("|---|---|" + "---|" * (2 * len(modules) + 1))
+    first = modules[0][1]
+    for shape in args.shapes:
+        batch, context = (int(part) for part in shape.split("x"))
+        problem = testing.random_problem(first, config, batch, context, args.q_heads, 8, "cuda")
+        codebook = testing.codebook_kwargs(first, "cuda")
+        group = args.q_heads // 8
+        if args.launches:
+            launches = [dict(zip(("block_kv", "num_stages", "num_splits"), map(int, text.split(":"))), num_warps=1)
+                        for text in args.launches]
+        else:
+            launches = [dict(zip(("block_kv", "num_warps", "num_stages", "num_splits"),
+                                 first.decode_launch(batch, 8, group, context, problem["cache"].device)))]
+        workspace = first.DecodeWorkspace(batch, args.q_heads, 64, "cuda")
+        for launch in launches:
+            times, outputs = [], []
+            for _, module in modules:
+                out = torch.empty_like(problem["query"])
+
+                def call(module=module, out=out):
+                    module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"],
+                                  out=out, workspace=workspace, validate=False, **launch, **codebook)
+                call()
+                torch.cuda.synchronize()
+                outputs.append(out.float().clone())
+                times.append(triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3)
+            nbytes = batch * 8 * context * first.SLOT_BYTES
+            percent = 100 * nbytes / (times[-1] * 1e-6) / 1e9 / ceiling
+            error = max(float((o - outputs[0]).abs().max()) for o in outputs)
+            text = f"kv{launch['block_kv']} st{launch['num_stages']} sp{launch['num_splits']}"
+            cells = [f"{t:.1f}" for t in times] + [f"{t / times[0]:.3f}" for t in times[1:]]
+            print(f"| {batch} x {context} | {text} | " + " | ".join(cells) + f" | {percent:.1f} | {error:.1e} |",
+                  flush=True)
+        del problem
+
+
+if __name__ == "__main__":
+    main()
