@@ -3,8 +3,8 @@
     python3 tools/ab_modules.py CONFIG OLD.py NEW.py [...] [--shapes 32x16384 8x8192]
                                 [--launches 32:2:8 64:2:16 ...] [--q-heads 32]
 
-Each module file is a `tqgen render` of CONFIG (for example from an older commit: `git stash; python3 -m
-tqgen.cli render CONFIG > old.py`). Every module decodes the same random full-length problem (32 query / 8
+Each module file is a rendering of CONFIG for the GPU's arch (for example from an older commit: `git stash;
+python3 -m tqgen.cli render CONFIG > old.py` on the GPU machine, or with `arch: sm90` in the config). Every module decodes the same random full-length problem (32 query / 8
 KV heads unless --q-heads) at each launch (BLOCK_KV:STAGES:SPLITS, one warp; default: the first module's
 tuned or heuristic launch), as a whole call in CUDA-graph replay (median), with the copy ceiling measured in
 the same run; outputs must agree with the first module's to fp16 rounding (the last column). Prints one
@@ -33,6 +33,7 @@ def main() -> None:
     import triton
 
     from tqgen import bench, config as config_mod, emit, testing
+    from tqgen.tuned_files import LAUNCH_FIELDS
 
     config = config_mod.resolve_arch(config_mod.load(args.config), None)
     modules = [(os.path.basename(path), emit.import_module_file(path)) for path in args.modules]
@@ -53,8 +54,7 @@ def main() -> None:
             launches = [dict(zip(("block_kv", "num_stages", "num_splits"), map(int, text.split(":"))), num_warps=1)
                         for text in args.launches]
         else:
-            launches = [dict(zip(("block_kv", "num_warps", "num_stages", "num_splits"),
-                                 first.decode_launch(batch, 8, group, context, problem["cache"].device)))]
+            launches = [dict(zip(LAUNCH_FIELDS, first.decode_launch(batch, 8, group, context, problem["cache"].device)))]
         workspace = first.DecodeWorkspace(batch, args.q_heads, 64, "cuda")
         for launch in launches:
             times, outputs = [], []

@@ -12,7 +12,6 @@ tools/stage1_variants.py instead of the shipped kernel.
 """
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -21,8 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tqgen  # noqa: E402
-from tqgen import emit, render, testing  # noqa: E402
-from tqgen import config as config_mod  # noqa: E402
+from stage1_variants import variant_modules  # noqa: E402 (beside this file)
+from tqgen import config as config_mod, emit, testing  # noqa: E402
+from tqgen.tuned_files import LAUNCH_FIELDS  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("shape", help="BATCHxCONTEXT")
@@ -39,15 +39,11 @@ for path in args.configs:
         module = tqgen.load(config)
     else:
         config = config_mod.resolve_arch(config, None)
-        source = os.path.join(tempfile.mkdtemp(prefix="tqgen-profile-"), f"{config.artifact_name()}_{args.variant}.py")
-        with open(source, "w") as handle:
-            handle.write(render.render(config, stage1_variant=args.variant))
-        module = emit.import_module_file(source)
+        [(_, module)] = variant_modules(config, tempfile.mkdtemp(prefix="tqgen-profile-"), (args.variant,))
     problem = testing.random_problem(module, config, batch, context, 32, 8, "cuda")
     out = torch.empty_like(problem["query"])
     workspace = module.DecodeWorkspace(batch, 32, 64, "cuda")
-    launch = dict(zip(("block_kv", "num_warps", "num_stages", "num_splits"),
-                      module.decode_launch(batch, 8, 4, context, problem["cache"].device)))
+    launch = dict(zip(LAUNCH_FIELDS, module.decode_launch(batch, 8, 4, context, problem["cache"].device)))
     for name, value in (("block_kv", args.block_kv), ("num_stages", args.stages), ("num_splits", args.splits)):
         if value:
             launch[name] = value

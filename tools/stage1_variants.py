@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tqgen import config as config_mod, emit, render  # noqa: E402
 from tqgen.plan import STAGE1_VARIANTS  # noqa: E402
+from tqgen.tuned_files import LAUNCH_FIELDS  # noqa: E402
 
 
 def variant_modules(config, folder, variants=STAGE1_VARIANTS):
@@ -64,6 +65,8 @@ def _stages_label(variant):
 
 
 def time_variants(configs, shapes, variants=STAGE1_VARIANTS, block_kv=None) -> None:
+    """Time each config's variants (`variants` starts with "shipped") at each shape; block_kv replaces the
+    launch's tile size."""
     import torch
     import triton
 
@@ -76,21 +79,19 @@ def time_variants(configs, shapes, variants=STAGE1_VARIANTS, block_kv=None) -> N
           + " | shipped % of ceiling | " + " | ".join(f"{v} / shipped" for v in variants if v != "shipped") + " |")
     print("|---|---|---|---|" + "---|" * (2 * len(variants)))
     for config in configs:
-        modules = variant_modules(config, tempfile.mkdtemp(prefix="tqgen-variants-"), ("shipped",) + tuple(
-            v for v in variants if v != "shipped"))
+        modules = variant_modules(config, tempfile.mkdtemp(prefix="tqgen-variants-"), variants)
         shipped = modules[0][1]
         for batch, context in shapes:
             problem = testing.random_problem(shipped, config, batch, context, 32, 8, "cuda")
             codebook = testing.codebook_kwargs(shipped, "cuda")
-            launch = dict(zip(("block_kv", "num_warps", "num_stages", "num_splits"),
-                              shipped.decode_launch(batch, 8, 4, context, problem["cache"].device)))
+            launch = dict(zip(LAUNCH_FIELDS, shipped.decode_launch(batch, 8, 4, context, problem["cache"].device)))
             if block_kv:
                 launch["block_kv"] = block_kv
             out = torch.empty_like(problem["query"])
             workspace = shipped.DecodeWorkspace(batch, 32, 64, "cuda")
             times = {}
             runs = [("launch", shipped, launch["num_stages"])] + [
-                (v, m, 1 if v in ONE_STAGE_VARIANTS else launch["num_stages"]) for v, m in modules if v in variants]
+                (v, m, 1 if v in ONE_STAGE_VARIANTS else launch["num_stages"]) for v, m in modules]
             for variant, module, stages in runs:
                 print(f"  {config.name} {batch} x {context}: {variant}", file=sys.stderr, flush=True)
                 def call(module=module, stages=stages):
