@@ -20,7 +20,7 @@ from conftest import (HAS_CUDA, PRESETS, KernelRecorder, check_decode, codebook_
                       position_major_cache, stored_cache)
 from tqgen import reference, render, tuner
 from tqgen.layout import Layout
-from tqgen.plan import Plan
+from tqgen.plan import EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS, Plan
 from tqgen.testing import DECODE_TOLERANCE, as_position_major, relative_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -870,7 +870,7 @@ def test_mma_decode_replays_in_a_cuda_graph(build_module, monkeypatch, preset, n
 def test_stage1_variants_render_only_when_asked_and_only_for_the_gluon_kernel_with_mse_keys():
     config = make_config("k3v4", cache_layout="planes", arch="sm90")
     assert render.render(config) == render.render(config, stage1_variant="shipped")
-    for variant in ("load_only", "compute_only", "pair_table"):
+    for variant in ("load_only", "compute_only", "pair_table", "extra_alu", "extra_fma"):
         source = render.render(config, stage1_variant=variant)
         assert "EXPERIMENT" in source and source != render.render(config)
     with pytest.raises(ValueError, match="split 3-bit keys only"):
@@ -892,7 +892,8 @@ config = config_mod.resolve_arch(config_mod.load("configs/k3v3-d128-planes.yaml"
 for variant, module in stage1_variants.variant_modules(config, tempfile.mkdtemp()):
     ptx = ptx_probe.compile_stage1_mma(module, 32).asm["ptx"]
     print(json.dumps(dict(variant=variant, mma=ptx.count("mma.sync.aligned"), loads=ptx.count("ld.global"),
-                          table_loads=ptx.count("ld.shared.b32 "), permutes=ptx.count("prmt.b32"))))
+                          table_loads=ptx.count("ld.shared.b32 "), permutes=ptx.count("prmt.b32"),
+                          logic=ptx.count("lop3.b32"), fma=ptx.count("fma.rn.f32"))))
 """
 
 
@@ -915,6 +916,13 @@ def test_stage1_variants_compile_and_keep_what_they_claim():
     assert table["mma"] == report["shipped"]["mma"] and table["loads"] == report["shipped"]["loads"] - 1
     assert table["table_loads"] == 64 and report["shipped"]["table_loads"] == 0
     assert table["permutes"] <= report["shipped"]["permutes"] - 128  # 2 lookups and 2 interleaves per 4 codes
+    # extra_alu / extra_fma: the shipped kernel and exactly their added instructions of one kind per tile.
+    added = EXTRA_WORK_CHAINS * EXTRA_WORK_STEPS
+    for variant, kind in (("extra_alu", "logic"), ("extra_fma", "fma")):
+        other = {"logic": "fma", "fma": "logic"}[kind]
+        assert report[variant][kind] == report["shipped"][kind] + added
+        assert {key: report[variant][key] for key in ("mma", "loads", "permutes", other)} == {
+            key: report["shipped"][key] for key in ("mma", "loads", "permutes", other)}
 
 
 _LOOP_LISTING = "\n".join(f"        /*{address:04x}*/                   {instruction} ;" for address, instruction in [

@@ -1,7 +1,7 @@
-"""Where the Gluon stage 1's time goes: the shipped kernel beside a load-only and a compute-only variant.
+"""Where the Gluon stage 1's time goes: the shipped kernel beside experiment variants of itself.
 
     python3 tools/stage1_variants.py [--configs configs/k3v4-d128-planes.yaml ...] [--shapes 32x16384 8x8192]
-                                     [--compile-only]
+                                     [--variants load_only compute_only ...] [--block-kv 32] [--compile-only]
 
 The variants are rendered by the templates themselves (`render(config, stage1_variant=...)`,
 plan.STAGE1_VARIANTS), not by editing rendered text:
@@ -10,13 +10,18 @@ plan.STAGE1_VARIANTS), not by editing rendered text:
                 zeros, value words), nothing else: the words are XOR-folded into registers and the
                 fold goes to the output once per program, so no load can be dropped;
 - compute_only: every decode step, MMA and softmax of the loop, no load in it: block ids are the page
-                numbers, and words, norms, scales and zeros are made from their addresses in registers.
-Each is timed as a whole decode call (CUDA-graph replay, the shipped launch of the shape with its
-words loaded where used, num_stages 1, the same random cache), with the copy ceiling measured in the
-same run; the first column times the shipped launch as it is (with the cp.async ring where the tuned
-or heuristic launch has num_stages >= 2). The compute-only time bounds what the
-instructions cost; the load-only time what the bytes cost at the occupancy the kernel has; if the
-shipped time is near their sum, loads and compute do not overlap.
+                numbers, and words, norms, scales and zeros are made from their addresses in registers;
+- extra_alu, extra_fma: the shipped kernel with 80 more instructions per tile (plan.EXTRA_WORK_CHAINS independent
+                chains), all lop3 (the integer pipe) or all fp32 fma (the FMA pipes): the same count either way, so
+                the two times say which pipe the kernel's time follows, and each against shipped what one more
+                instruction per tile costs;
+- pair_table, pair_table16 (split 3-bit keys): the key lookups from a table of fp16 pairs in shared memory.
+Each is timed as a whole decode call (CUDA-graph replay, the shipped launch of the shape, the same random
+cache), with the copy ceiling measured in the same run: load_only and compute_only with their words loaded
+where used (num_stages 1), the others with the launch's stages; the first column times the shipped launch as
+it is (with the cp.async ring where the tuned or heuristic launch has num_stages >= 2). The compute-only time
+bounds what the instructions cost; the load-only time what the bytes cost at the occupancy the kernel has; if
+the shipped time is near their sum, loads and compute do not overlap.
 --compile-only compiles each variant offline for sm90 (no GPU) and prints registers and SASS counts.
 """
 

@@ -56,8 +56,12 @@ def next_power_of_two(n: int) -> int:
 # pair of key codes up in a per-lane table of fp16 pairs in shared memory, reading a lane's three key words as one
 # 96-bit stream of 6-bit pair indices (the packed order, which planes does not store: wrong results on purpose,
 # the instruction mix of that decode); "pair_table16" shares each copy of the table between lanes l and l + 16
-# (half its shared memory, two ways of bank conflict). Modules render "shipped".
-STAGE1_VARIANTS = ("shipped", "load_only", "compute_only", "pair_table", "pair_table16")
+# (half its shared memory, two ways of bank conflict). "extra_alu" and "extra_fma" add 80 independent instructions
+# per tile on the integer pipe (lop3) or the FMA pipe (ffma) to the shipped kernel, whose results reach the output:
+# how much a tile's time grows with each pipe's load tells which one the kernel waits on. Modules render "shipped".
+STAGE1_VARIANTS = ("shipped", "load_only", "compute_only", "pair_table", "pair_table16", "extra_alu", "extra_fma")
+# Instructions per tile that the extra_alu / extra_fma variants add (4 independent chains of 20).
+EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS = 4, 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +183,11 @@ class Plan:
         return (not layout.planes and not layout.key_fp8 and layout.key_bits in (3, 4)
                 and (layout.value_bits == 4 or (layout.value_bits, layout.key_bits) == (3, 3))
                 and layout.head_dim == 128)
+
+    @property
+    def extra_work_shape(self) -> tuple[int, int]:
+        """(chains, steps) of the extra_alu / extra_fma variants' added instructions per tile."""
+        return EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS
 
     @property
     def symmetric_key_lookup(self) -> bool:
