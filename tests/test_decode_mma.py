@@ -925,6 +925,27 @@ def test_stage1_variants_compile_and_keep_what_they_claim():
             key: report["shipped"][key] for key in ("mma", "loads", "permutes", other)}
 
 
+def test_pipe_rates_kernels_issue_what_they_are_named_for():
+    """tools/pipe_rates.py's kernels compiled for sm90 offline: each loop pass issues its 32 instructions of the
+    kind it times (a mix 16 of each), so a rate on the GPU is that instruction's."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "tools/pipe_rates.py", "--compile"], cwd=REPO, env=environment,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = {}  # kind -> {opcode: count in the loop}, from "KIND: N SASS instructions in the loop: OP n, ..."
+    for line in result.stdout.splitlines():
+        kind, _, mix = line.partition(": ")
+        if "SASS instructions in the loop: " in mix:
+            pairs = mix.split("in the loop: ", 1)[1].split(", ")
+            counts[kind] = {op: int(n) for op, n in (pair.rsplit(" ", 1) for pair in pairs)}
+    opcodes = {"prmt": "PRMT", "lop3": "LOP3", "shf": "SHF", "imad": "IMAD", "imad.hi": "IMAD", "ffma": "FFMA",
+               "hfma2": "HFMA2"}
+    for kind, opcode in opcodes.items():
+        assert counts[kind][opcode] == 32, (kind, counts[kind])
+    assert counts["prmt+lop3"]["PRMT"] == counts["prmt+lop3"]["LOP3"] == 16
+    assert counts["prmt+imad"]["PRMT"] == counts["prmt+imad"]["IMAD"] == 16
+
+
 _LOOP_LISTING = "\n".join(f"        /*{address:04x}*/                   {instruction} ;" for address, instruction in [
     (0x0080, "MOV R1, R2"),
     (0x0100, "ISETP.GE.AND P0, PT, R3, R4, PT"),
