@@ -299,6 +299,71 @@ def test_decode_multi_takes_the_gluon_kernel_where_it_can(build_module, monkeypa
         assert launch["num_warps"] == 1 and launch["BLOCK_KV"] == 32
 
 
+def wide_launch_module(build_module, monkeypatch, preset, sm_count=132):
+    """A planes module as on an H200 (132 SMs) whose GPU runs the Gluon kernel, on any machine."""
+    config = make_config(preset, cache_layout="planes", **({"arch": "sm90"} if preset == "k8v4" else {}))
+    module = build_module(config)
+    monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)
+    monkeypatch.setattr(module, "_sm_count", lambda device: sm_count)
+    return module
+
+
+@pytest.mark.parametrize("preset,resident", [("k3v4", 12), ("k8v4", 8)])
+def test_wide_programs_take_at_most_one_wave_of_splits(build_module, monkeypatch, preset, resident):
+    """A Gluon program of more than 8 MMA columns (decode_multi's query tokens x heads, or decode's heads past 8)
+    takes 32-token tiles in a ring of 2 and decode's splits, fewer where its programs would not all be resident
+    at once: 12 one-warp programs per SM under the MSE kernels' cap of 168 registers, 8 for fp8 keys (uncapped:
+    counted at 255). Narrow programs (q_len 1, or 2 tokens x 4 heads) keep decode's launch."""
+    module = wide_launch_module(build_module, monkeypatch, preset)
+    cpu = torch.device("cpu")
+    assert module._mma_resident_programs(32, 16, 132) == resident * 132
+    assert module._mma_resident_programs(32, 4, 132) == (16 if preset == "k3v4" else 8) * 132
+    for batch, context in [(1, 4096), (8, 8192), (32, 8192), (32, 16384), (128, 16384), (256, 65536)]:
+        decode = module.decode_launch(batch, 8, 4, context, cpu)
+        for q_len in (1, 2):  # 4 and 8 columns: decode's launch
+            assert module.decode_multi_launch(batch, 8, 4, q_len, context, cpu) == decode
+        for q_len, group_size in [(4, 4), (8, 4), (3, 4), (2, 8), (8, 2), (2, 16), (3, 6)]:
+            tokens = min(q_len, 16 // group_size)
+            programs = batch * 8 * -(-q_len // tokens)
+            block_kv, warps, stages, splits = module.decode_multi_launch(batch, 8, group_size, q_len, context, cpu)
+            decode_splits = module.decode_launch(batch, 8, group_size, context, cpu)[3]
+            assert (block_kv, warps, stages) == (32, 1, 2)
+            assert 1 <= splits <= decode_splits
+            assert splits == 1 or programs * splits <= resident * 132
+            assert splits == decode_splits or programs * (splits + 1) > resident * 132
+    # The measured case (issue 21's shape): 4 and 8 query tokens x 4 heads at 32 x 8192
+    assert module.decode_multi_launch(32, 8, 4, 4, 8192, cpu)[3] == (6 if preset == "k3v4" else 4)
+    assert module.decode_multi_launch(32, 8, 4, 8, 8192, cpu)[3] == (3 if preset == "k3v4" else 2)
+    # decode itself: the heuristic for 16 query heads per KV head is the wide launch; up to 8 it is not
+    assert module.decode_launch_defaults(32, 8, 16, 16384, cpu) == (32, 1, 2, 6 if preset == "k3v4" else 4)
+    assert module.decode_launch_defaults(32, 8, 8, 16384, cpu) == module.heuristic_launch(32, 8, 16384, 132)
+    # where the Gluon kernel does not run, every launch is the narrow one
+    monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: False)
+    assert module.decode_multi_launch(32, 8, 4, 4, 8192, cpu) == module.decode_launch(32, 8, 4, 8192, cpu)
+    assert module.decode_launch_defaults(32, 8, 16, 16384, cpu) == module.heuristic_launch(32, 8, 16384, 132)
+
+
+def test_decode_multi_launches_the_wide_launch_unless_given_one(build_module, monkeypatch):
+    """decode_multi runs decode_multi_launch's launch for what the call does not pass, capped at the workspace's
+    splits: 2 sequences x 2 KV heads of 4 query tokens x 4 heads on 1 SM (12 resident programs) take 3 splits."""
+    module = wide_launch_module(build_module, monkeypatch, "k3v4", sm_count=1)
+    config = make_config("k3v4", cache_layout="planes")
+    mma = KernelRecorder()
+    monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", mma)
+    monkeypatch.setattr(module, "tq_decode_stage2", KernelRecorder())
+    monkeypatch.setattr(module, "tq_prepare_query", KernelRecorder())
+    batch, cache, query, kwargs = multi_inputs(module, config, [40, 40], "cpu", 4)
+    assert module.decode_multi_launch(2, 2, 4, 4, 8192, torch.device("cpu")) == (32, 1, 2, 3)
+
+    def splits(**launch):
+        module.decode_multi(query, cache, batch.block_table, batch.seq_lens, max_seq_len=8192, **launch, **kwargs)
+        grid, _, constants = mma.launches[-1]
+        return grid[2], constants["BLOCK_KV"], constants["STAGES"]
+    assert splits() == (3, 32, 2)
+    assert splits(num_splits=5, block_kv=64) == (5, 64, 2)
+    assert splits(workspace=module.DecodeWorkspace(2, 8, 2, "cpu", max_q_len=4)) == (2, 32, 2)
+
+
 _COMPILE_SCRIPT = """
 import json, os, sys, dataclasses, tempfile
 sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]

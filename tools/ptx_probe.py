@@ -274,6 +274,8 @@ def main() -> None:
     parser.add_argument("--sass", action="store_true", help="also print the SASS opcode mix of stage 1's loop")
     parser.add_argument("--mma", action="store_true", help="compile the Gluon stage 1 on mma.sync instead")
     parser.add_argument("--group-size", type=int, default=4, help="query heads per KV head (--mma)")
+    parser.add_argument("--q-len", type=int, default=1,
+                        help="with --mma: compile decode_multi's stage 1 for this many query tokens (2-8)")
     parser.add_argument("--rotate-query", action="store_true",
                         help="compile stage 1 as it rotates the query itself (planes MSE, small batches)")
     args = parser.parse_args()
@@ -291,7 +293,11 @@ def main() -> None:
             raise SystemExit(f"--mma: {args.config} has no Gluon stage 1 (Plan.mma_stage1)")
         if args.stages < module.MMA_MIN_STAGES:
             raise SystemExit(f"--mma: {args.config}'s Gluon stage 1 takes --stages {module.MMA_MIN_STAGES} or more")
-        compiled = compile_stage1_mma(module, args.block_kv, args.group_size, stages=args.stages)
+        if args.q_len > 1:
+            compiled = compile_multi_stage1_mma(module, args.block_kv, args.group_size, args.q_len,
+                                                stages=args.stages)
+        else:
+            compiled = compile_stage1_mma(module, args.block_kv, args.group_size, stages=args.stages)
     else:
         compiled = compile_stage1(module, args.block_kv, args.warps, args.stages, args.rotate_query)
     ptx = compiled.asm["ptx"]
@@ -299,7 +305,7 @@ def main() -> None:
         with open(args.ptx, "w") as handle:
             handle.write(ptx)
     loads = collections.Counter(re.findall(r"ld\.global(?:\.\w+)*", ptx))
-    launch = f"mma, group {args.group_size}, st{args.stages}" if args.mma else f"w{args.warps} st{args.stages}"
+    launch = f"mma, group {args.group_size}, q_len {args.q_len}, st{args.stages}" if args.mma else f"w{args.warps} st{args.stages}"
     print(f"{args.config} kv{args.block_kv} {launch}: {ptxas_usage(ptx)}; mma.sync x{ptx.count('mma.sync')}, "
           f"shfl x{ptx.count('shfl.sync')}")
     print("  global loads: " + ", ".join(f"{kind} x{count}" for kind, count in loads.most_common()))

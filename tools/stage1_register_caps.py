@@ -40,7 +40,8 @@ def main() -> None:
     from tqgen import bench, config as config_mod, testing
 
     ceiling = bench.copy_ceiling_gbps()
-    print(f"copy ceiling {ceiling:.0f} GB/s on {torch.cuda.get_device_name()}; 32 query / 8 KV heads, graph replay")
+    print(f"copy ceiling {ceiling:.0f} GB/s on {torch.cuda.get_device_name()}; {args.q_heads} query / 8 KV heads, "
+          "graph replay")
     print("| config | batch x context | stages | register cap | us | % of ceiling | error against the first cap |")
     print("|---|---|---|---|---|---|---|")
     for path in args.configs:
