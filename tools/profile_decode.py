@@ -3,10 +3,10 @@
     ncu --clock-control none -k regex:tq_decode_stage1 -s 2 -c 1 --section SpeedOfLight \\
         --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \\
         python3 tools/profile_decode.py 32x16384 configs/k3v4-d128-planes.yaml [--variant pair_table]
-        [--block-kv 32 --stages 2 --splits 16]
+        [--block-kv 32 --stages 2 --splits 16] [--q-heads 128]
 
-Each config decodes a random full-length batch (`tqgen.testing.random_problem`, 32 query and
-8 KV heads) at its tuned launch (or the launch fields given), three times: `-s 2` skips the first two
+Each config decodes a random full-length batch (`tqgen.testing.random_problem`, 32 query heads unless
+--q-heads, 8 KV heads) at its tuned or heuristic launch (or the launch fields given), three times: `-s 2` skips the first two
 stage-1 launches, which include compilation. --variant renders a stage-1 experiment of
 tools/stage1_variants.py instead of the shipped kernel.
 """
@@ -31,6 +31,7 @@ parser.add_argument("--variant", default="shipped")
 parser.add_argument("--block-kv", type=int)
 parser.add_argument("--stages", type=int)
 parser.add_argument("--splits", type=int)
+parser.add_argument("--q-heads", type=int, default=32, help="query heads over 8 KV heads")
 args = parser.parse_args()
 batch, context = map(int, args.shape.split("x"))
 for path in args.configs:
@@ -40,10 +41,11 @@ for path in args.configs:
     else:
         config = config_mod.resolve_arch(config, None)
         [(_, module)] = variant_modules(config, tempfile.mkdtemp(prefix="tqgen-profile-"), (args.variant,))
-    problem = testing.random_problem(module, config, batch, context, 32, 8, "cuda")
+    problem = testing.random_problem(module, config, batch, context, args.q_heads, 8, "cuda")
     out = torch.empty_like(problem["query"])
-    workspace = module.DecodeWorkspace(batch, 32, 64, "cuda")
-    launch = dict(zip(LAUNCH_FIELDS, module.decode_launch(batch, 8, 4, context, problem["cache"].device)))
+    workspace = module.DecodeWorkspace(batch, args.q_heads, 64, "cuda")
+    group_size = args.q_heads // 8
+    launch = dict(zip(LAUNCH_FIELDS, module.decode_launch(batch, 8, group_size, context, problem["cache"].device)))
     for name, value in (("block_kv", args.block_kv), ("num_stages", args.stages), ("num_splits", args.splits)):
         if value:
             launch[name] = value
