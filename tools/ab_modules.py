@@ -1,13 +1,16 @@
 """Two or more rendered modules of one config, their decode calls timed side by side on the GPU (A/B).
 
     python3 tools/ab_modules.py CONFIG OLD.py NEW.py [...] [--shapes 32x16384 8x8192]
-                                [--launches 32:2:8 64:2:16 ...] [--q-heads 32]
+                                [--launches 32:2:8 64:2:16 ...] [--q-heads 32] [--rotate-query stage1|prepare]
 
 Each module file is a rendering of CONFIG for the GPU's arch (for example from an older commit: `git stash;
 python3 -m tqgen.cli render CONFIG > old.py` on the GPU machine, or with `arch: sm90` in the config). Every module decodes the same random full-length problem (32 query / 8
 KV heads unless --q-heads) at each launch (BLOCK_KV:STAGES:SPLITS, one warp; default: the first module's
 tuned or heuristic launch), as a whole call in CUDA-graph replay (median), with the copy ceiling measured in
-the same run; outputs must agree with the first module's to fp16 rounding (the last column). Prints one
+the same run; outputs must agree with the first module's to fp16 rounding (the last column). Planes MSE
+modules choose where the query is rotated from their own tuned files unless --rotate-query pins it (stage1: in
+stage 1; prepare: tq_prepare_query first): a module whose tuned files are stale takes the heuristic's choice,
+so pin it when comparing such a module at batch <= 8. Prints one
 table: what a change to the kernels buys, before any re-tune (one module: its launches side by side).
 """
 
@@ -27,6 +30,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["32x16384", "8x8192"])
     parser.add_argument("--launches", nargs="+", default=[], metavar="BLOCK_KV:STAGES:SPLITS")
     parser.add_argument("--q-heads", type=int, default=32)
+    parser.add_argument("--rotate-query", choices=["stage1", "prepare"],
+                        help="pin where planes MSE modules rotate the query (default: each module's own choice)")
     args = parser.parse_args()
 
     import torch
@@ -56,6 +61,7 @@ def main() -> None:
         else:
             launches = [dict(zip(LAUNCH_FIELDS, first.decode_launch(batch, 8, group, context, problem["cache"].device)))]
         workspace = first.DecodeWorkspace(batch, args.q_heads, 64, "cuda")
+        rotation = {} if args.rotate_query is None else dict(rotate_query=args.rotate_query == "stage1")
         for launch in launches:
             times, outputs = [], []
             for _, module in modules:
@@ -63,7 +69,7 @@ def main() -> None:
 
                 def call(module=module, out=out):
                     module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"],
-                                  out=out, workspace=workspace, validate=False, **launch, **codebook)
+                                  out=out, workspace=workspace, validate=False, **launch, **rotation, **codebook)
                 call()
                 torch.cuda.synchronize()
                 outputs.append(out.float().clone())
