@@ -6,7 +6,8 @@
 # Usage (on a CUDA machine, from the repository root): bash tools/run_gpu.sh [OUT_DIR]
 # TQGEN_GPU_STEPS picks steps (default "tests sanitize bench"; "tune" re-tunes TQGEN_TUNE_CONFIGS, default the
 # four planes configs, as the committed planes files were tuned, and copies each tuned file to OUT_DIR/tuned
-# as soon as it is written: a call that runs out of time keeps the configs it finished). TQGEN_SANITIZE_CONFIGS
+# as soon as it is written: a call that runs out of time keeps the configs it finished; "multi" times decode_multi
+# at q_len 1-8 against decode, tools/bench_decode_multi.py, before the benchmark). TQGEN_SANITIZE_CONFIGS
 # limits the sanitizers to some configs (default every shipped one: up to 700 s, over one device call's 600).
 set -u
 out=${1:-${OUT:-/tmp/tqgen-gpu}}
@@ -40,6 +41,11 @@ if [[ $steps == *sanitize* ]]; then
     timeout 400 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_kernels.py \
         ${TQGEN_SANITIZE_CONFIGS:-} > "$out/racecheck.log" 2>&1
     rc=$?; tail -3 "$out/racecheck.log"; echo "racecheck exit code: $rc"; (( rc )) && status=1
+fi
+if [[ $steps == *multi* ]]; then
+    python3 tools/bench_decode_multi.py configs/k8v4-d128-planes.yaml configs/k4v4-d128-planes.yaml \
+        configs/k3v4-d128-planes.yaml configs/k3v3-d128-planes.yaml > "$out/multi.log" 2>&1
+    rc=$?; grep '^|' "$out/multi.log"; echo "decode_multi bench exit code: $rc"; (( rc )) && status=1
 fi
 if [[ $steps == *bench* ]]; then
     bench_args=${TQGEN_BENCH_ARGS:-}
