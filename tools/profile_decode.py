@@ -6,8 +6,8 @@
         [--block-kv 32 --stages 2 --splits 16] [--q-heads 128]
 
 Each config decodes a random full-length batch (`tqgen.testing.random_problem`, 32 query heads unless
---q-heads, 8 KV heads) at its tuned or heuristic launch (or the launch fields given), three times: `-s 2` skips the first two
-stage-1 launches, which include compilation. --variant renders a stage-1 experiment of
+--q-heads, 8 KV heads) at its tuned or heuristic launch (or the launch fields given), three times: `-s 2`
+skips the first two stage-1 launches, which include compilation. --variant renders a stage-1 experiment of
 tools/stage1_variants.py instead of the shipped kernel.
 """
 

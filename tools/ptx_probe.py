@@ -305,7 +305,10 @@ def main() -> None:
         with open(args.ptx, "w") as handle:
             handle.write(ptx)
     loads = collections.Counter(re.findall(r"ld\.global(?:\.\w+)*", ptx))
-    launch = f"mma, group {args.group_size}, q_len {args.q_len}, st{args.stages}" if args.mma else f"w{args.warps} st{args.stages}"
+    if args.mma:
+        launch = f"mma, group {args.group_size}, q_len {args.q_len}, st{args.stages}"
+    else:
+        launch = f"w{args.warps} st{args.stages}"
     print(f"{args.config} kv{args.block_kv} {launch}: {ptxas_usage(ptx)}; mma.sync x{ptx.count('mma.sync')}, "
           f"shfl x{ptx.count('shfl.sync')}")
     print("  global loads: " + ", ".join(f"{kind} x{count}" for kind, count in loads.most_common()))
