@@ -214,7 +214,8 @@ def compiled_cases():
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda case: "-".join(map(str, case)))
 def test_every_launch_compiles_for_sm90(compiled_cases, case):
     """The launches decode gives the kernel compile (triton's compiler rejects what its interpreter
-    accepts), with one m16n8k16 MMA per 16 x 8 x 16 block of each product: the scores and the output,
+    accepts), with one m16n8k16 MMA per 16 x 8 x 16 block of each product: the scores and the output (and
+    the query's rotation, where the kernel rotates it: 16 head dims x 8 columns x the 16 dims of a block),
     nothing for the norm correction ("planes" stores corrected norms; MSE keys in slots sum their squared
     centroids in one product more). One stage uses no shared memory; the ring holds `stages` tiles of exactly
     the bytes a tile's tokens use, copied by cp.async as wide as each plane's alignment allows (16 bytes for
@@ -226,7 +227,9 @@ def test_every_launch_compiles_for_sm90(compiled_cases, case):
     key_mmas = (block_kv // 16) * (head_dim // 16) * columns
     value_mmas = (head_dim // 16) * (block_kv // 16) * columns
     halfword_slots = layout != "planes" and PRESETS[preset]["key_format"] == "mse"
-    assert report["mma"] == key_mmas * (2 if halfword_slots and norm_correction else 1) + value_mmas
+    # A 16-bit query rotated in the kernel (these compile an fp16 one): one MMA per 16 head dims and 8 columns.
+    rotation_mmas = (head_dim // 16) * columns if rotate else 0
+    assert report["mma"] == key_mmas * (2 if halfword_slots and norm_correction else 1) + value_mmas + rotation_mmas
     if rotate:  # the rotated query goes to the MMA's operand layout through shared memory
         assert report["shared_ops"] > 0 and report["shared_bytes"] > 0
     if stages == 1:
