@@ -9,6 +9,12 @@ Prints, each as a CUDA-graph replay on the current GPU:
   64 tokens (every program has one tile: the latency of one program); for the MSE presets both
   with the config's rotation (applied in stage 1) and with an equal copy of it (which takes
   tq_prepare_query and, where it exists, the Gluon kernel).
+
+    python3 tools/batch1_latency.py CONFIG... --kernels 1x1024x16 1x4096x64 4x1024x16 ...
+
+instead times each BATCHxCONTEXTxSPLITS call (32-token tiles, 1 stage, a 16-bit query, the bucket's
+rotation choice) as a graph replay with dependent launches on and off, and each kernel's own duration
+(torch.profiler, dependent launches off, so that no kernel's time includes waiting for the one before).
 """
 
 import argparse
@@ -36,11 +42,59 @@ def graph_us(fn):
     return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
 
 
+def kernel_us(fn, calls=50):
+    """Each decode kernel's mean duration over `calls` calls, in us (torch.profiler's CUDA activity)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    durations = {}
+    for event in profile.key_averages():
+        if event.key.startswith("tq_"):  # device_time: torch >= 2.4 (cuda_time before, deprecated since)
+            durations[event.key] = event.device_time if hasattr(event, "device_time") else event.cuda_time
+    return durations
+
+
+def kernel_durations(path, cases):
+    """Per (batch, context, splits): the call as a graph replay with and without dependent launches, and
+    each kernel's duration without them."""
+    config = config_mod.load(path)
+    module = tqgen.load(config)
+    codebook = testing.codebook_kwargs(module, "cuda")
+    for batch, context, num_splits in cases:
+        problem = testing.random_problem(module, config, batch, context, 32, 8, "cuda")
+        out = torch.empty_like(problem["query"])
+        workspace = module.DecodeWorkspace(batch, 32, num_splits, "cuda")
+
+        def call():
+            module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"],
+                          out=out, workspace=workspace, validate=False, num_splits=num_splits, block_kv=32,
+                          num_warps=1, num_stages=1, **codebook)
+        dependent = graph_us(call)
+        shipped_rule = module._dependent_launch
+        module._dependent_launch = lambda device: False
+        try:
+            independent = graph_us(call)
+            kernels = kernel_us(call)
+        finally:
+            module._dependent_launch = shipped_rule
+        durations = ", ".join(f"{name} {us:.2f}" for name, us in sorted(kernels.items()))
+        print(f"{config.name} {batch}x{context} sp{num_splits}: graph {dependent:.2f} us "
+              f"({independent:.2f} without dependent launches); kernels: {durations}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("configs", nargs="*", default=DEFAULT_CONFIGS)
     parser.add_argument("--contexts", nargs="+", type=int, default=[64, 1024, 4096])
+    parser.add_argument("--kernels", nargs="+", metavar="BxTxS", help="per-kernel durations of these calls")
     args = parser.parse_args()
+    if args.kernels:
+        for path in args.configs:
+            kernel_durations(path, [tuple(map(int, case.split("x"))) for case in args.kernels])
+        return
     x = torch.zeros(1, device="cuda")
     print(f"empty kernel: {graph_us(lambda: _empty[(1,)](x)):.2f} us; "
           f"two: {graph_us(lambda: (_empty[(1,)](x), _empty[(1,)](x))):.2f} us")

@@ -17,7 +17,7 @@ import re
 # Copied into every emitted module by render.py (one source of truth).
 EMBEDDED = ("bucket_key",)
 
-DEFAULT_BATCHES = (1, 8, 32, 64, 128)
+DEFAULT_BATCHES = (1, 2, 4, 8, 32, 64, 128)
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 65536)
 DEFAULT_GROUP_SIZES = (4,)
 
