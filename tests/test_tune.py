@@ -341,14 +341,17 @@ def _timing_tables(planes):
             yield path.stem, bucket_bounds(key), entry
 
 
-def _heuristic_ratios(module, tables):
+def _heuristic_ratios(module, tables, rule=None):
+    """Each table's time of the launch `rule` (default: the module's heuristic_launch) picks for its bucket,
+    over the bucket's best."""
+    rule = rule or module.heuristic_launch
     ratios = []
     for name, bounds, entry in tables:
-        launch = module.heuristic_launch(bounds["batch"][1], 8, bounds["context"][1], 132)
+        launch = rule(bounds["batch"][1], 8, bounds["context"][1], 132)
         launch = dict(zip(tuned_files.LAUNCH_FIELDS, launch))
         if any(name.endswith(("_rq", "_pq")) for name in entry["timings_us"]):  # timed both ways: the batch rule's
-            launch[tuned_files.ROTATE_FIELD] = module.query_rotated_in_stage1(bounds["batch"][1], 4, bounds["context"][1],
-                                                                              torch.device("cuda", 0), tuned=False)
+            launch[tuned_files.ROTATE_FIELD] = module.query_rotated_in_stage1(
+                bounds["batch"][1], bounds["group_size"], bounds["context"][1], torch.device("cuda", 0), tuned=False)
         candidate = tuned_files.candidate_id(launch)
         assert candidate in entry["timings_us"], f"{name}: {candidate} was not measured"
         ratios.append(entry["timings_us"][candidate] / entry["best_us"])
@@ -431,15 +434,8 @@ def test_eight_heads_per_kv_head_take_their_own_rule_close_to_the_measured_best(
     assert module.decode_launch_defaults(32, 8, 6, 16384, cuda) == module._mma_full_columns_launch(32, 8, 16384, 132)
     assert module.decode_launch_defaults(32, 8, 4, 16384, cuda) == module.heuristic_launch(32, 8, 16384, 132)
     stem = f"_kmse{preset[1]}_v{preset[3]}_"
-    ratios = []
-    for name, bounds, entry in _timing_tables(planes=True):
-        if stem not in name or bounds["group_size"] != 8:
-            continue
-        batch, context = bounds["batch"][1], bounds["context"][1]
-        launch = dict(zip(tuned_files.LAUNCH_FIELDS, module._mma_full_columns_launch(batch, 8, context, 132)))
-        if batch <= 8:  # timed both ways there; rotated in stage 1 at every batch (16-bit queries)
-            launch[tuned_files.ROTATE_FIELD] = module.query_rotated_in_stage1(batch, 8, context, cuda, tuned=False)
-        ratios.append(entry["timings_us"][tuned_files.candidate_id(launch)] / entry["best_us"])
+    tables = [t for t in _timing_tables(planes=True) if stem in t[0] and t[1]["group_size"] == 8]
+    ratios = _heuristic_ratios(module, tables, rule=module._mma_full_columns_launch)
     assert len(ratios) >= 18
     assert _geomean(ratios) < 1.02 and max(ratios) < 1.15
 
