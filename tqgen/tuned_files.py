@@ -152,23 +152,37 @@ def _read_document(path: Path, expected: dict[str, Any], fields: tuple[str, ...]
 
 @contextlib.contextmanager
 def locked(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """An exclusive advisory lock on `<path>.lock` (released when the process dies)."""
+    """An exclusive advisory lock on `<path>.lock` (released when the process dies).
+
+    The holder deletes the lock file when it is done, so a tune leaves nothing beside the tuned files (a wheel
+    packs all of tuned/). A waiter that locked the deleted file's inode finds the name gone or pointing to a new
+    file, and locks again."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lock_path = path.with_name(path.name + ".lock")
-    with open(lock_path, "a+") as handle:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TqgenError(f"{lock_path}: still locked by another tuner after {timeout_s:.0f} s") from None
-                time.sleep(0.05)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        handle = open(lock_path, "a+")
         try:
-            yield
+            while True:
+                try:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TqgenError(f"{lock_path}: still locked by another tuner after {timeout_s:.0f} s") from None
+                    time.sleep(0.05)
+            try:
+                current = os.stat(lock_path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(handle.fileno()).st_ino:
+                try:
+                    yield
+                finally:
+                    lock_path.unlink(missing_ok=True)  # while still locked: no one else holds this name's file
+                return
         finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+            handle.close()  # releases the lock
 
 
 def set_aside_unusable(path: Path, expected: dict[str, Any]) -> tuple[Path | None, dict[str, Any]]:
