@@ -5,8 +5,8 @@
 # The full grid of BENCHMARKS.md: TQGEN_BENCH_ARGS="--batch 1 8 32 64 128 --context 1024 4096 16384 65536".
 # Usage (on a CUDA machine, from the repository root): bash tools/run_gpu.sh [OUT_DIR]
 # TQGEN_GPU_STEPS picks steps (default "tests sanitize bench"; "tune" re-tunes TQGEN_TUNE_CONFIGS, default the
-# four planes configs, as the committed planes files were tuned (4 and 8 query heads per KV head, or
-# TQGEN_TUNE_GROUPS; about 5 minutes a config for both on the H200), and copies each tuned file to OUT_DIR/tuned
+# four planes configs, as the committed planes files were tuned (tqgen tune's default 1, 4, 8 and 16 query heads
+# per KV head, or TQGEN_TUNE_GROUPS; minutes a config and group size on the H200: docs/tuning.md), and copies each tuned file to OUT_DIR/tuned
 # as soon as it is written: a call that runs out of time keeps the configs it finished; "multi" times decode_multi
 # at q_len 1-8 against decode, tools/bench_decode_multi.py, before the benchmark). TQGEN_SANITIZE_CONFIGS
 # limits the sanitizers to some configs (default every shipped one: up to 700 s, over one device call's 600).
@@ -31,7 +31,7 @@ if [[ $steps == *tune* ]]; then
     for config in ${TQGEN_TUNE_CONFIGS:-configs/k8v4-d128-planes.yaml configs/k4v4-d128-planes.yaml \
                    configs/k3v4-d128-planes.yaml configs/k3v3-d128-planes.yaml}; do
         python3 -m tqgen.cli tune "$config" --warps 1 --stages 1 2 --block-kv 32 64 \
-            --group-size ${TQGEN_TUNE_GROUPS:-4 8} --force >> "$out/tune.log" 2>&1
+            ${TQGEN_TUNE_GROUPS:+--group-size $TQGEN_TUNE_GROUPS} --force >> "$out/tune.log" 2>&1
         rc=$?; tail -1 "$out/tune.log"; echo "tune $config exit code: $rc"; (( rc )) && status=1
         find tuned -name '*.json' -newer "$started" -exec cp {} "$out/tuned/" \;  # what this step wrote so far
     done

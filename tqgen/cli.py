@@ -354,7 +354,8 @@ def make_parser() -> argparse.ArgumentParser:
     tune.add_argument("--warps", type=int, nargs="+", metavar="N", help="candidates (default: 1 2 4)")
     tune.add_argument("--stages", type=int, nargs="+", metavar="N", help="candidates (default: 1 2)")
     tune.add_argument("--splits", type=int, nargs="+", metavar="N", help="candidates (default: 4 8 16 32 64)")
-    tune.add_argument("--kv-heads", type=int, default=8)
+    tune.add_argument("--kv-heads", type=int, default=8,
+                      help="KV heads of the timed problems, query heads = G x this (default: %(default)s)")
     tune.add_argument("--force", action="store_true",
                       help="re-tune buckets already in the file; a file tuned for another setup (kernel, triton, "
                            "device) or damaged is kept as NAME.json.replaced-TIME and tuned afresh")
