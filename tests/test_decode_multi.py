@@ -335,11 +335,10 @@ def test_wide_programs_take_at_most_one_wave_of_splits(build_module, monkeypatch
     assert module.decode_multi_launch(32, 8, 4, 4, 8192, cpu)[3] == (6 if preset == "k3v4" else 4)
     assert module.decode_multi_launch(32, 8, 4, 8, 8192, cpu)[3] == (3 if preset == "k3v4" else 2)
     # decode itself: the heuristic for 16 query heads per KV head is the wide launch; up to 8 it is not (5-8 in the
-    # MSE planes configs: their own rule, _mma_full_columns_launch)
+    # planes configs: their own rule, _mma_full_columns_launch)
     assert module.decode_launch_defaults(32, 8, 16, 16384, cpu) == (32, 1, 2, 6 if preset == "k3v4" else 4)
     narrow = module.heuristic_launch(32, 8, 16384, 132)
-    full_columns = module._mma_full_columns_launch(32, 8, 16384, 132) if preset == "k3v4" else narrow
-    assert module.decode_launch_defaults(32, 8, 8, 16384, cpu) == full_columns
+    assert module.decode_launch_defaults(32, 8, 8, 16384, cpu) == module._mma_full_columns_launch(32, 8, 16384, 132)
     assert module.decode_launch_defaults(32, 8, 4, 16384, cpu) == narrow
     # where the Gluon kernel does not run, every launch is the narrow one
     monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: False)
