@@ -344,3 +344,27 @@ def test_the_decode_hash_reads_syntax_trees_the_same_on_every_python():
     assert render_mod._canonical(tree) == plain
     assert "type_params" not in plain and "BinOp" in plain
     assert render_mod._canonical(ast.parse("def f(x):\n    return x + 2\n").body[0]) != plain
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs the git checkout")
+def test_render_refs_renders_a_ref_for_the_gpus_arch(tmp_path):
+    """tools/render_refs.py renders a config's module as a git ref's tqgen and templates do, for the arch it is
+    told (the A/B workflow of tools/ab_modules.py), and leaves no worktree behind."""
+    import subprocess
+    import sys
+
+    worktrees = subprocess.run(["git", "-C", str(REPO), "worktree", "list"], capture_output=True, text=True).stdout
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "render_refs.py"),
+                             str(REPO / "configs" / "k3v4-d128-planes.yaml"), "HEAD", "--arch", "sm90",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    (module,) = tmp_path.glob("*.py")
+    assert module.name == "HEAD-k3v4-d128-planes.py" and result.stdout.strip() == str(module)
+    source = module.read_text()
+    ast.parse(source)
+    assert "sm90" in source[:2000] and "tq_decode_stage1_mma" in source
+    assert subprocess.run(["git", "-C", str(REPO), "worktree", "list"], capture_output=True, text=True).stdout == worktrees
+    missing = subprocess.run([sys.executable, str(REPO / "tools" / "render_refs.py"),
+                              str(REPO / "configs" / "k3v4-d128-planes.yaml"), "no-such-ref", "--out", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0 and "no-such-ref" in missing.stderr

@@ -3,8 +3,8 @@
     python3 tools/ab_modules.py CONFIG OLD.py NEW.py [...] [--shapes 32x16384 8x8192]
                                 [--launches 32:2:8 64:2:16 ...] [--q-heads 32] [--rotate-query stage1|prepare]
 
-Each module file is a rendering of CONFIG for the GPU's arch (for example from an older commit: `git stash;
-python3 -m tqgen.cli render CONFIG > old.py` on the GPU machine, or with `arch: sm90` in the config). Every module decodes the same random full-length problem (32 query / 8
+Each module file is a rendering of CONFIG for the GPU's arch (of other git refs: `python3 tools/render_refs.py
+CONFIG main BRANCH`, then carry out/ab to the GPU machine). Every module decodes the same random full-length problem (32 query / 8
 KV heads unless --q-heads) at each launch (BLOCK_KV:STAGES:SPLITS, one warp; default: the first module's
 tuned or heuristic launch), as a whole call in CUDA-graph replay (median), with the copy ceiling measured in
 the same run; outputs must agree with the first module's to fp16 rounding (the last column). Planes MSE
