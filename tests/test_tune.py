@@ -450,6 +450,26 @@ def test_eight_heads_per_kv_head_take_their_own_rule_close_to_the_measured_best(
 
 
 @pytest.mark.parametrize("preset", ["k4v4", "k3v4", "k3v3"])
+def test_one_head_per_kv_head_takes_its_own_rule_close_to_the_measured_best(tmp_path, preset):
+    """One query head per KV head (MHA) takes _mma_one_head_launch in the MSE planes configs; its picks, looked up in
+    the committed H200 tables of 1 head per KV head (all 28 buckets), cost at most 1.02x the best per bucket on
+    geometric mean and 1.2x at worst (2026-12-04: 1.017-1.018x, 1.12-1.20x), where heuristic_launch (fitted to
+    4 heads) cost 1.038-1.039x."""
+    module = emit.load(make_config(preset, cache_layout="planes", arch="sm90"), tmp_path)
+    module._mma_stage1_ready = lambda device: True  # the rule of the H200 the tables were timed on
+    module._sm_count = lambda device: 132
+    cuda = torch.device("cuda", 0)
+    assert module.decode_launch_defaults(32, 8, 1, 16384, cuda) == module._mma_one_head_launch(32, 8, 16384, 132)
+    assert module.decode_launch_defaults(32, 8, 2, 16384, cuda) == module.heuristic_launch(32, 8, 16384, 132)
+    stem = f"_kmse{preset[1]}_v{preset[3]}_"
+    tables = [t for t in _timing_tables(planes=True) if stem in t[0] and t[1]["group_size"] == 1]
+    ratios = _heuristic_ratios(module, tables, rule=module._mma_one_head_launch)
+    assert len(ratios) == 28
+    assert _geomean(ratios) < 1.02 and max(ratios) < 1.2
+    assert _geomean(_heuristic_ratios(module, tables)) > _geomean(ratios) + 0.015  # what the rule is for
+
+
+@pytest.mark.parametrize("preset", ["k4v4", "k3v4", "k3v3"])
 def test_sixteen_heads_per_kv_head_take_the_wide_launch_of_their_own_splits(tmp_path, preset):
     """9-16 query heads per KV head take _mma_wide_launch from _mma_wide_heads_splits in the MSE planes configs;
     where the committed H200 tables of 16 heads per KV head timed the launch it gives (16 of 28 buckets: the
