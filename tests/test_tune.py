@@ -399,6 +399,17 @@ def test_the_split_rule_fit_costs_the_shipped_slots_mse_rule(tmp_path):
     assert all(geomean >= 1 and worst >= geomean for geomean, worst, *_ in results)
 
 
+def _h200_planes_module_and_tables(preset, group_size, tmp_path):
+    """A planes module of `preset` deciding launches as on the H200 its tables were timed on (the Gluon kernel,
+    132 SMs), and the committed H200 tables of `group_size` query heads per KV head for it."""
+    module = emit.load(make_config(preset, cache_layout="planes", arch="sm90"), tmp_path)
+    module._mma_stage1_ready = lambda device: True
+    module._sm_count = lambda device: 132
+    stem = f"_kfp8_v{preset[3]}_" if preset[1] == "8" else f"_kmse{preset[1]}_v{preset[3]}_"
+    tables = [t for t in _timing_tables(planes=True) if stem in t[0] and t[1]["group_size"] == group_size]
+    return module, tables
+
+
 # The Gluon kernel with its cp.async ring and packed key selectors, every planes preset re-tuned with the query's
 # rotation timed both ways up to 8 sequences (twice the candidates there, so the best is the least of more noisy
 # timings): k8v4 2026-12-02, the MSE presets 2026-12-03, after the rotation of 16-bit queries moved to the tensor
@@ -411,12 +422,9 @@ def test_the_split_rule_fit_costs_the_shipped_slots_mse_rule(tmp_path):
 def test_planes_heuristic_is_close_to_the_measured_best_on_the_h200(tmp_path, preset, geomean, worst):
     """The same for the page-planar configs, whose heuristic differs (1 warp, and the Gluon kernel's
     rules; sm90, as tuned: fp8 keys have the Gluon kernel only where the arch converts e4m3)."""
-    module = emit.load(make_config(preset, cache_layout="planes", arch="sm90"), tmp_path)
-    module._mma_stage1_ready = lambda device: True  # the rule of the H200 the tables were timed on
-    stem = "_kfp8_v4_" if preset == "k8v4" else f"_kmse{preset[1]}_v{preset[3]}_"  # this preset's tables
-    # The rule is fitted to 4 query heads per KV head; the 8-head buckets (k3v4, k4v4, most of k3v3) are tuned, and
-    # their tables price the same rule at 1.05-1.06x geomean, 1.39x worst (2 x 4096: 64 splits, 16 won).
-    tables = [t for t in _timing_tables(planes=True) if stem in t[0] and t[1]["group_size"] == 4]
+    # The rule is fitted to 4 query heads per KV head; the tables of 1, 8 and 16 price it higher, and those group
+    # sizes take rules of their own (the tests below).
+    module, tables = _h200_planes_module_and_tables(preset, 4, tmp_path)
     ratios = _heuristic_ratios(module, tables)
     assert len(ratios) >= 4
     assert _geomean(ratios) < geomean and max(ratios) < worst
@@ -433,15 +441,11 @@ def test_eight_heads_per_kv_head_take_their_own_rule_close_to_the_measured_best(
     cost at most 1.02x the best per bucket on geometric mean and 1.15x at worst (k4v4 1.013x and 1.07x, k3v4
     1.008x and 1.07x, k3v3 1.014x and 1.08x, k8v4 1.014x and 1.11x), where heuristic_launch (fitted to 4 heads)
     cost 1.04-1.07x and 1.28-1.39x."""
-    module = emit.load(make_config(preset, cache_layout="planes", arch="sm90"), tmp_path)
-    module._mma_stage1_ready = lambda device: True  # the rule of the H200 the tables were timed on
-    module._sm_count = lambda device: 132
+    module, tables = _h200_planes_module_and_tables(preset, 8, tmp_path)
     cuda = torch.device("cuda", 0)
     assert module.decode_launch_defaults(32, 8, 8, 16384, cuda) == module._mma_full_columns_launch(32, 8, 16384, 132)
     assert module.decode_launch_defaults(32, 8, 6, 16384, cuda) == module._mma_full_columns_launch(32, 8, 16384, 132)
     assert module.decode_launch_defaults(32, 8, 4, 16384, cuda) == module.heuristic_launch(32, 8, 16384, 132)
-    stem = f"_kfp8_v{preset[3]}_" if preset[1] == "8" else f"_kmse{preset[1]}_v{preset[3]}_"
-    tables = [t for t in _timing_tables(planes=True) if stem in t[0] and t[1]["group_size"] == 8]
     ratios = _heuristic_ratios(module, tables, rule=module._mma_full_columns_launch)
     assert len(ratios) == 28
     geomean, worst = EIGHT_HEAD_RULE_COSTS[preset]
@@ -455,14 +459,10 @@ def test_one_head_per_kv_head_takes_its_own_rule_close_to_the_measured_best(tmp_
     the committed H200 tables of 1 head per KV head (all 28 buckets), cost at most 1.02x the best per bucket on
     geometric mean and 1.2x at worst (2026-12-04: 1.017-1.018x, 1.12-1.20x), where heuristic_launch (fitted to
     4 heads) cost 1.038-1.039x."""
-    module = emit.load(make_config(preset, cache_layout="planes", arch="sm90"), tmp_path)
-    module._mma_stage1_ready = lambda device: True  # the rule of the H200 the tables were timed on
-    module._sm_count = lambda device: 132
+    module, tables = _h200_planes_module_and_tables(preset, 1, tmp_path)
     cuda = torch.device("cuda", 0)
     assert module.decode_launch_defaults(32, 8, 1, 16384, cuda) == module._mma_one_head_launch(32, 8, 16384, 132)
     assert module.decode_launch_defaults(32, 8, 2, 16384, cuda) == module.heuristic_launch(32, 8, 16384, 132)
-    stem = f"_kmse{preset[1]}_v{preset[3]}_"
-    tables = [t for t in _timing_tables(planes=True) if stem in t[0] and t[1]["group_size"] == 1]
     ratios = _heuristic_ratios(module, tables, rule=module._mma_one_head_launch)
     assert len(ratios) == 28
     assert _geomean(ratios) < 1.02 and max(ratios) < 1.2
@@ -476,12 +476,8 @@ def test_sixteen_heads_per_kv_head_take_the_wide_launch_of_their_own_splits(tmp_
     others take the one-wave cap's 1-49 splits), it costs at most 1.02x the best per bucket on geometric mean
     and 1.12x at worst (2026-12-04: 1.009-1.013x and 1.07-1.10x), where starting from heuristic_launch's splits
     (fitted to 4 heads per KV head) cost 1.12x and 1.69x."""
-    module = emit.load(make_config(preset, cache_layout="planes", arch="sm90"), tmp_path)
-    module._mma_stage1_ready = lambda device: True  # the rule of the H200 the tables were timed on
-    module._sm_count = lambda device: 132
+    module, tables = _h200_planes_module_and_tables(preset, 16, tmp_path)
     cuda = torch.device("cuda", 0)
-    stem = f"_kmse{preset[1]}_v{preset[3]}_"
-    tables = [t for t in _timing_tables(planes=True) if stem in t[0] and t[1]["group_size"] == 16]
     assert len(tables) == 28
 
     def wide_rule(batch, num_kv_heads, context, sm_count):
