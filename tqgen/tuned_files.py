@@ -150,39 +150,45 @@ def _read_document(path: Path, expected: dict[str, Any], fields: tuple[str, ...]
     return document
 
 
+def _try_flock(handle) -> bool:
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _lock_name(lock_path: Path, timeout_s: float):
+    """An open handle holding an exclusive flock on the file `lock_path` names when the lock is taken. A holder
+    deletes the name when done (locked), so a lock won on a file the name no longer refers to is dropped and
+    taken again on the current one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        handle = open(lock_path, "a+")
+        while not _try_flock(handle):
+            if time.monotonic() > deadline:
+                handle.close()
+                raise TqgenError(f"{lock_path}: still locked by another tuner after {timeout_s:.0f} s")
+            time.sleep(0.05)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(lock_path).st_ino == os.fstat(handle.fileno()).st_ino:
+                return handle
+        handle.close()
+
+
 @contextlib.contextmanager
 def locked(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
     """An exclusive advisory lock on `<path>.lock` (released when the process dies).
 
     The holder deletes the lock file when it is done, so a tune leaves nothing beside the tuned files (a wheel
-    packs all of tuned/). A waiter that locked the deleted file's inode finds the name gone or pointing to a new
-    file, and locks again."""
+    packs all of tuned/); a waiter that locked the deleted file locks the name's new one (_lock_name)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lock_path = path.with_name(path.name + ".lock")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        handle = open(lock_path, "a+")
+    with _lock_name(lock_path, timeout_s):  # closing the handle releases the lock
         try:
-            while True:
-                try:
-                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise TqgenError(f"{lock_path}: still locked by another tuner after {timeout_s:.0f} s") from None
-                    time.sleep(0.05)
-            try:
-                current = os.stat(lock_path).st_ino
-            except FileNotFoundError:
-                current = None
-            if current == os.fstat(handle.fileno()).st_ino:
-                try:
-                    yield
-                finally:
-                    lock_path.unlink(missing_ok=True)  # while still locked: no one else holds this name's file
-                return
+            yield
         finally:
-            handle.close()  # releases the lock
+            lock_path.unlink(missing_ok=True)  # while still locked: no one else holds this name's file
 
 
 def set_aside_unusable(path: Path, expected: dict[str, Any]) -> tuple[Path | None, dict[str, Any]]:
