@@ -1,13 +1,16 @@
 """Time decode_multi at q_len 1, 2, 4 and 8 against decode (CUDA-graph replay), 32/8 heads.
 
     python3 tools/bench_decode_multi.py configs/k3v4-d128-planes.yaml configs/k8v4-d128-planes.yaml [--dot]
-        [--shapes 32x8192] [--q-lens 1 2 4 8] [--launches 32:2:8 32:2:6 ...]
+        [--shapes 32x8192] [--q-lens 1 2 4 8] [--launches 32:2:8 32:2:6 ...] [--wide-caps 168 128]
 
 Each row: the call's median time, as a multiple of decode's (one query token, its own launch) and against
 q_len separate decode calls. Issue 21's targets: q_len 4 <= 1.25x decode, q_len 8 <= 1.6x, q_len 4 >= 3x
 faster than 4 calls. --launches times decode_multi at each launch (BLOCK_KV:STAGES:SPLITS, one warp) beside
 the one it picks itself ("auto"); --dot also times each q_len with stage 1 held to the tl.dot kernel
-(MMA_STAGE1 off: what decode_multi ran before its Gluon kernel). Prints one table at the end.
+(MMA_STAGE1 off: what decode_multi ran before its Gluon kernel); --wide-caps times the Gluon kernel of more
+than 8 MMA columns (q_len x heads: 4 x 4 and up) under each register cap in turn (the maxnreg that
+`_mma_stage1_options` gives it, replaced here; 168 is the shipped one), decode's own kernel untouched.
+Prints one table at the end.
 """
 import argparse
 import sys
@@ -34,12 +37,24 @@ def main():
     parser.add_argument("--q-lens", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--launches", nargs="+", default=[], metavar="BLOCK_KV:STAGES:SPLITS",
                         help="also time decode_multi at these launches")
+    parser.add_argument("--wide-caps", nargs="+", type=int, default=[], metavar="REGISTERS",
+                        help="time the kernel of more than 8 columns under each of these register caps")
     args = parser.parse_args()
     launches = [("auto", {})] + [(text, parse_launch(text)) for text in args.launches]
     rows = []
     for path in args.configs:
         config = emit.as_config(path)
         module = tqgen.load(config)
+        shipped_options = module._mma_stage1_options
+        caps = [None] + args.wide_caps  # None: the shipped options
+
+        def capped_options(cap):
+            def options(block_kv, group_size=4):
+                chosen = dict(shipped_options(block_kv, group_size))
+                if cap is not None and group_size > 8:
+                    chosen["maxnreg"] = cap
+                return chosen
+            return options
         for shape in args.shapes:
             batch, context = (int(part) for part in shape.split("x"))
             problem = testing.random_problem(module, config, batch, context, 32, 8, "cuda")
@@ -60,7 +75,13 @@ def main():
                 q = torch.randn(batch, q_len, 32, 128, device="cuda", dtype=q1.dtype)
                 out = torch.empty_like(q)
                 for label, mma in paths:
-                    for launch_name, launch in launches if label == "Gluon" else launches[:1]:
+                    timed = ([(name, launch, cap) for name, launch in launches for cap in caps] if label == "Gluon"
+                             else [launches[0] + (None,)])
+                    for launch_name, launch, cap in timed:
+                        module._mma_stage1_options = capped_options(cap)
+                        if cap is not None:
+                            launch_name = f"{launch_name} cap {cap}"
+
                         def multi():
                             module.decode_multi(q, problem["cache"], problem["block_table"], problem["seq_lens"],
                                                 out=out, workspace=ws, validate=False, max_seq_len=context,
@@ -74,6 +95,7 @@ def main():
                               .format(*row), flush=True)
                 if shipped is not None:
                     module.MMA_STAGE1 = shipped
+                module._mma_stage1_options = shipped_options
     print("\n| config | batch x context | q_len | stage 1, launch | us | x decode's time | x faster than q_len "
           "decode calls |")
     print("|---|---|---|---|---|---|---|")
