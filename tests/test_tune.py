@@ -347,6 +347,15 @@ def _timing_tables(planes):
 def _heuristic_ratios(module, tables, rule=None):
     """Each table's time of the launch `rule` (default: the module's heuristic_launch) picks for its bucket,
     over the bucket's best."""
+    ratios = _ratios_by_bucket(module, tables, rule)
+    unmeasured = [f"{name} {bounds}" for (name, bounds, _), ratio in zip(tables, ratios) if ratio is None]
+    assert not unmeasured, f"{unmeasured}: the rule's launch was not measured"
+    return ratios
+
+
+def _ratios_by_bucket(module, tables, rule=None):
+    """Per table entry, the time of the launch `rule` picks over the bucket's best (None where that launch was not
+    timed)."""
     rule = rule or module.heuristic_launch
     ratios = []
     for name, bounds, entry in tables:
@@ -356,8 +365,8 @@ def _heuristic_ratios(module, tables, rule=None):
             launch[tuned_files.ROTATE_FIELD] = module.query_rotated_in_stage1(
                 bounds["batch"][1], bounds["group_size"], bounds["context"][1], torch.device("cuda", 0), tuned=False)
         candidate = tuned_files.candidate_id(launch)
-        assert candidate in entry["timings_us"], f"{name}: {candidate} was not measured"
-        ratios.append(entry["timings_us"][candidate] / entry["best_us"])
+        time = entry["timings_us"].get(candidate)
+        ratios.append(None if time is None else time / entry["best_us"])
     return ratios
 
 
@@ -414,7 +423,8 @@ def _h200_planes_module_and_tables(preset, group_size, tmp_path):
 # rotation timed both ways up to 8 sequences (twice the candidates there, so the best is the least of more noisy
 # timings): k8v4 2026-12-02, the MSE presets 2026-12-03, after the rotation of 16-bit queries moved to the tensor
 # cores (32-token tiles at batch <= 8 refit); the batch 2 and 4 buckets of all four tuned 2026-12-03 (splits of 64
-# tokens up to 4 sequences refit). Geomeans k8v4 1.025, k4v4 1.026, k3v4 1.013, k3v3 1.011; the worst picks k8v4
+# tokens up to 4 sequences refit; 1 x 65536 re-tuned 2026-12-04 with 128 splits, which the MSE presets' rule then
+# took). Geomeans k8v4 1.025, k4v4 1.024, k3v4 1.012, k3v3 1.011; the worst picks k8v4
 # at 1 x 4096 (17%: 64 splits, 32 won), k4v4 and k3v4 at 2 x 4096 (14%, 13%: 64 splits, 32 won), k3v3 at 1 x 1024
 # (8%: 1 stage, 2 won).
 @pytest.mark.parametrize("preset,geomean,worst", [("k8v4", 1.03, 1.19), ("k4v4", 1.03, 1.14), ("k3v4", 1.015, 1.14),
@@ -439,7 +449,7 @@ def test_eight_heads_per_kv_head_take_their_own_rule_close_to_the_measured_best(
     """5-8 query heads per KV head (the Gluon kernel's 8 columns all heads) take _mma_full_columns_launch in the
     planes configs; its picks, looked up in the committed H200 tables of 8 heads per KV head (all 28 buckets),
     cost at most 1.02x the best per bucket on geometric mean and 1.15x at worst (k4v4 1.013x and 1.07x, k3v4
-    1.008x and 1.07x, k3v3 1.014x and 1.08x, k8v4 1.014x and 1.11x), where heuristic_launch (fitted to 4 heads)
+    1.008x and 1.07x, k3v3 1.016x and 1.08x, k8v4 1.014x and 1.11x), where heuristic_launch (fitted to 4 heads)
     cost 1.04-1.07x and 1.28-1.39x."""
     module, tables = _h200_planes_module_and_tables(preset, 8, tmp_path)
     cuda = torch.device("cuda", 0)
@@ -450,15 +460,20 @@ def test_eight_heads_per_kv_head_take_their_own_rule_close_to_the_measured_best(
     assert len(ratios) == 28
     geomean, worst = EIGHT_HEAD_RULE_COSTS[preset]
     assert _geomean(ratios) < geomean and max(ratios) < worst
-    assert _geomean(_heuristic_ratios(module, tables)) > _geomean(ratios) + 0.02  # what the rule is for
+    # What the rule is for, on the buckets where both picks were timed: heuristic_launch's 128 splits at 1 x 65536
+    # (fitted to 4 heads per KV head) are not in k3v4's and k4v4's tables of 8 heads, tuned before 128 was a candidate.
+    pairs = [(heuristic, rule) for heuristic, rule in zip(_ratios_by_bucket(module, tables), ratios)
+             if heuristic is not None]
+    assert len(pairs) >= 27
+    assert _geomean([heuristic for heuristic, _ in pairs]) > _geomean([rule for _, rule in pairs]) + 0.02
 
 
 @pytest.mark.parametrize("preset", ["k4v4", "k3v4", "k3v3"])
 def test_one_head_per_kv_head_takes_its_own_rule_close_to_the_measured_best(tmp_path, preset):
     """One query head per KV head (MHA) takes _mma_one_head_launch in the MSE planes configs; its picks, looked up in
     the committed H200 tables of 1 head per KV head (all 28 buckets), cost at most 1.02x the best per bucket on
-    geometric mean and 1.2x at worst (2026-12-04: 1.017-1.018x, 1.12-1.20x), where heuristic_launch (fitted to
-    4 heads) cost 1.038-1.039x."""
+    geometric mean and 1.2x at worst (2026-12-04: 1.015-1.018x, 1.12-1.20x), where heuristic_launch (fitted to
+    4 heads) cost 1.035-1.039x."""
     module, tables = _h200_planes_module_and_tables(preset, 1, tmp_path)
     cuda = torch.device("cuda", 0)
     assert module.decode_launch_defaults(32, 8, 1, 16384, cuda) == module._mma_one_head_launch(32, 8, 16384, 132)

@@ -60,7 +60,8 @@ def main() -> None:
                         for text in args.launches]
         else:
             launches = [dict(zip(LAUNCH_FIELDS, first.decode_launch(batch, 8, group, context, problem["cache"].device)))]
-        workspace = first.DecodeWorkspace(batch, args.q_heads, 64, "cuda")
+        workspace = first.DecodeWorkspace(batch, args.q_heads, max([64] + [launch["num_splits"] for launch in launches]),
+                                          "cuda")
         rotation = {} if args.rotate_query is None else dict(rotate_query=args.rotate_query == "stage1")
         for launch in launches:
             times, outputs = [], []

@@ -6,10 +6,13 @@
 # Usage (on a CUDA machine, from the repository root): bash tools/run_gpu.sh [OUT_DIR]
 # TQGEN_GPU_STEPS picks steps (default "tests sanitize bench"; "tune" re-tunes TQGEN_TUNE_CONFIGS, default the
 # four planes configs, as the committed planes files were tuned (tqgen tune's default 1, 4, 8 and 16 query heads
-# per KV head, or TQGEN_TUNE_GROUPS; minutes a config and group size on the H200: docs/tuning.md), and copies each tuned file to OUT_DIR/tuned
-# as soon as it is written: a call that runs out of time keeps the configs it finished; "multi" times decode_multi
+# per KV head, or TQGEN_TUNE_GROUPS; minutes a config and group size on the H200: docs/tuning.md), and packs
+# the tuned files written so far into OUT_DIR/tuned.tar after each config (`tar -xf tuned.tar` in the checkout
+# restores them): a call that runs out of time keeps the configs it finished; "multi" times decode_multi
 # at q_len 1-8 against decode, tools/bench_decode_multi.py, before the benchmark). TQGEN_SANITIZE_CONFIGS
 # limits the sanitizers to some configs (default every shipped one: up to 700 s, over one device call's 600).
+# OUT_DIR gets at most 8 files with every step (the device tool returns no more than 8 from $OUT): pytest-gpu.log,
+# tune.log, tuned.tar, sanitize.log (memcheck then racecheck), multi.log, bench.log, bench.json, bench.png.
 set -u
 out=${1:-${OUT:-/tmp/tqgen-gpu}}
 steps=${TQGEN_GPU_STEPS:-tests sanitize bench}
@@ -26,23 +29,23 @@ if [[ $steps == *tests* ]]; then
     rc=${PIPESTATUS[0]}; echo "gpu tests exit code: $rc"; (( rc )) && status=1
 fi
 if [[ $steps == *tune* ]]; then
-    mkdir -p "$out/tuned"
     started=$(mktemp)  # outside OUT: the device tool returns few files
     for config in ${TQGEN_TUNE_CONFIGS:-configs/k8v4-d128-planes.yaml configs/k4v4-d128-planes.yaml \
                    configs/k3v4-d128-planes.yaml configs/k3v3-d128-planes.yaml}; do
         python3 -m tqgen.cli tune "$config" --warps 1 --stages 1 2 --block-kv 32 64 \
             ${TQGEN_TUNE_GROUPS:+--group-size $TQGEN_TUNE_GROUPS} --force >> "$out/tune.log" 2>&1
         rc=$?; tail -1 "$out/tune.log"; echo "tune $config exit code: $rc"; (( rc )) && status=1
-        find tuned -name '*.json' -newer "$started" -exec cp {} "$out/tuned/" \;  # what this step wrote so far
+        written=$(find tuned -name '*.json' -newer "$started")  # what this step wrote so far, as one file
+        [[ -n $written ]] && tar -cf "$out/tuned.tar" $written
     done
 fi
 if [[ $steps == *sanitize* ]]; then
     timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_kernels.py \
-        ${TQGEN_SANITIZE_CONFIGS:-} > "$out/memcheck.log" 2>&1
-    rc=$?; tail -4 "$out/memcheck.log"; echo "memcheck exit code: $rc"; (( rc )) && status=1
+        ${TQGEN_SANITIZE_CONFIGS:-} > "$out/sanitize.log" 2>&1
+    rc=$?; tail -4 "$out/sanitize.log"; echo "memcheck exit code: $rc"; (( rc )) && status=1
     timeout 400 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_kernels.py \
-        ${TQGEN_SANITIZE_CONFIGS:-} > "$out/racecheck.log" 2>&1
-    rc=$?; tail -3 "$out/racecheck.log"; echo "racecheck exit code: $rc"; (( rc )) && status=1
+        ${TQGEN_SANITIZE_CONFIGS:-} >> "$out/sanitize.log" 2>&1
+    rc=$?; tail -3 "$out/sanitize.log"; echo "racecheck exit code: $rc"; (( rc )) && status=1
 fi
 if [[ $steps == *multi* ]]; then
     python3 tools/bench_decode_multi.py configs/k8v4-d128-planes.yaml configs/k4v4-d128-planes.yaml \

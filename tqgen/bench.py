@@ -104,7 +104,10 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
     problem = random_problem(module, config, batch, context, num_q_heads, num_kv_heads, device)
     cache, block_table, seq_lens, query = (problem[k] for k in ("cache", "block_table", "seq_lens", "query"))
     out = torch.empty_like(query)
-    workspace = module.DecodeWorkspace(batch, num_q_heads, 64, device)
+    # As many splits as the shape's launch takes (tuned ones go up to 128), and at least 64 for the launches
+    # timed beside it.
+    launch_splits = module.decode_launch(batch, num_kv_heads, num_q_heads // num_kv_heads, context, cache.device)[3]
+    workspace = module.DecodeWorkspace(batch, num_q_heads, max(64, launch_splits), device)
 
     def call(**launch):
         return module.decode(query, cache, block_table, seq_lens, out=out, workspace=workspace, validate=False,

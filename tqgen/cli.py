@@ -353,7 +353,7 @@ def make_parser() -> argparse.ArgumentParser:
     tune.add_argument("--block-kv", type=int, nargs="+", metavar="N", help="candidates (default: 32 64)")
     tune.add_argument("--warps", type=int, nargs="+", metavar="N", help="candidates (default: 1 2 4)")
     tune.add_argument("--stages", type=int, nargs="+", metavar="N", help="candidates (default: 1 2)")
-    tune.add_argument("--splits", type=int, nargs="+", metavar="N", help="candidates (default: 4 8 16 32 64)")
+    tune.add_argument("--splits", type=int, nargs="+", metavar="N", help="candidates (default: 4 8 16 32 64 128)")
     tune.add_argument("--kv-heads", type=int, default=8,
                       help="KV heads of the timed problems, query heads = G x this (default: %(default)s)")
     tune.add_argument("--force", action="store_true",
