@@ -104,10 +104,13 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
     problem = random_problem(module, config, batch, context, num_q_heads, num_kv_heads, device)
     cache, block_table, seq_lens, query = (problem[k] for k in ("cache", "block_table", "seq_lens", "query"))
     out = torch.empty_like(query)
-    # As many splits as the shape's launch takes (tuned ones go up to 128), and at least 64 for the launches
-    # timed beside it.
-    launch_splits = module.decode_launch(batch, num_kv_heads, num_q_heads // num_kv_heads, context, cache.device)[3]
-    workspace = module.DecodeWorkspace(batch, num_q_heads, max(64, launch_splits), device)
+    group_size = num_q_heads // num_kv_heads
+    used = dict(zip(LAUNCH_FIELDS, module.decode_launch(batch, num_kv_heads, group_size, context, cache.device)))
+    heuristic = dict(zip(LAUNCH_FIELDS, module.decode_launch_defaults(batch, num_kv_heads, group_size, context,
+                                                                     cache.device)))
+    # Room for every launch timed here: the one decode picks, the heuristic's and the seed's.
+    max_splits = max(used["num_splits"], heuristic["num_splits"], SEED_LAUNCH["num_splits"])
+    workspace = module.DecodeWorkspace(batch, num_q_heads, max_splits, device)
 
     def call(**launch):
         return module.decode(query, cache, block_table, seq_lens, out=out, workspace=workspace, validate=False,
@@ -121,10 +124,6 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
     plain_ms = triton.testing.do_bench(call, return_mode="median")
     default_ms = graph_ms()
     seed_ms = graph_ms(**SEED_LAUNCH)
-    group_size = num_q_heads // num_kv_heads
-    used = dict(zip(LAUNCH_FIELDS, module.decode_launch(batch, num_kv_heads, group_size, context, cache.device)))
-    heuristic = dict(zip(LAUNCH_FIELDS, module.decode_launch_defaults(batch, num_kv_heads, group_size, context,
-                                                                     cache.device)))
     if hasattr(module, "query_rotated_in_stage1"):  # where stage 1 rotates the query: the tuned choice, or the rule
         used[ROTATE_FIELD] = module.query_rotated_in_stage1(batch, group_size, context, cache.device)
         heuristic[ROTATE_FIELD] = module.query_rotated_in_stage1(batch, group_size, context, cache.device, tuned=False)

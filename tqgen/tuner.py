@@ -44,9 +44,7 @@ class SearchSpace:
     block_kv: tuple[int, ...] = (32, 64)
     num_warps: tuple[int, ...] = (1, 2, 4)
     num_stages: tuple[int, ...] = (1, 2)
-    # 128 won batch 1 x 65536 for the MSE planes presets (H200, 2026-12-04: k3v4 34.9 against 41.7 us at 64,
-    # k4v4 -11%, k3v3 -15%), where 64, the most before, had won every MSE bucket of batch 1-4 x 64K; 256 lost at
-    # every shape timed (its stage 2 merges 256 partials per head).
+    # 128: it won batch 1 x 65536 for the MSE planes presets; 256 lost everywhere (docs/tuning.md).
     num_splits: tuple[int, ...] = (4, 8, 16, 32, 64, 128)
 
     def candidates(self, rotations: tuple = (None,)) -> list[dict]:
