@@ -644,3 +644,63 @@ def test_a_waiter_on_a_lock_file_deleted_by_its_holder_locks_the_new_one(tmp_pat
     stale.close()
     thread.join(10)
     assert order == ["holder in", "holder out", "waiter in"] and not lock_path.exists()
+
+
+def test_screening_retimes_only_the_finalists_and_keeps_the_fastest():
+    """With a screen timer every candidate is screened, and only those within SCREEN_MARGIN of the fastest are
+    timed again by the full timer; the entry names them and keeps the best of all recorded timings."""
+    config = make_config("k3v4", head_dim=64)
+    module = emit.load(config)
+    screened = iter([10.0, 10.4, 12.0, 30.0])  # ms, in SPACE's candidate order
+    final = iter([11.0, 9.0])  # ms, the finalists from the fastest screening on
+    screen_calls, final_calls = [], []
+
+    def screen_timer(fn):
+        screen_calls.append(fn)
+        return next(screened)
+
+    def timer(fn):
+        final_calls.append(fn)
+        return next(final)
+
+    entry = tuner.tune_bucket(module, config, 2, 1, 100, SPACE, timer=timer, screen_timer=screen_timer,
+                              num_kv_heads=1, device="cpu")
+    ids = [tuned_files.candidate_id(launch) for launch in SPACE.candidates()]
+    assert len(screen_calls) == 4 and final_calls == screen_calls[:2]
+    assert entry["retimed"] == ids[:2]
+    assert entry["timings_us"] == {ids[1]: 9000.0, ids[0]: 11000.0, ids[2]: 12000.0, ids[3]: 30000.0}
+    assert tuned_files.candidate_id(entry["best"]) == ids[1] and entry["best_us"] == 9000.0
+
+
+def test_compile_classes_take_each_group_and_batch_once_at_a_small_context():
+    shapes = [(4, 1, 65536), (4, 1, 1024), (4, 32, 16384), (4, 32, 65536), (8, 1, 4096), (4, 2, 300)]
+    assert sorted(tuner.compile_classes(shapes)) == [(4, 1, 1024), (4, 2, 300), (4, 32, 4096), (8, 1, 4096)]
+
+
+def test_a_compile_worker_runs_every_candidate_and_counts_the_failures(setup, monkeypatch):
+    """What each precompile process does for one class: every candidate's check and whole call, once; a
+    candidate that raises is counted, not fatal (the tuner records its reason when it meets it)."""
+    config, module = setup
+    launches = []
+    original = module.decode
+
+    def recording(*args, **kwargs):
+        launches.append(kwargs["num_splits"])
+        if kwargs["num_splits"] == 2:
+            raise RuntimeError("does not compile")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "decode", recording)
+    monkeypatch.setattr(tuner, "_loaded_module", lambda path: module)
+    failed = tuner._compile_class(module.__file__, config, 2, 1, 100, SPACE, 1, "cpu")
+    assert failed == 2  # kv32 and kv64 at 2 splits
+    assert sorted(launches) == [1, 1, 1, 1, 2, 2]  # check and whole call of each 1-split candidate; 2 fail at once
+
+
+def test_precompile_runs_nothing_on_one_worker_or_off_cuda(setup, monkeypatch):
+    config, module = setup
+    monkeypatch.setattr(tuner, "_compile_class", lambda *args: pytest.fail("no worker may start"))
+    lines = []
+    tuner.precompile(module, config, BUCKETS, SPACE, workers=1, device="cuda", progress=lines.append)
+    tuner.precompile(module, config, BUCKETS, SPACE, workers=8, device="cpu", progress=lines.append)
+    assert lines == []

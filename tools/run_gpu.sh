@@ -6,7 +6,7 @@
 # Usage (on a CUDA machine, from the repository root): bash tools/run_gpu.sh [OUT_DIR]
 # TQGEN_GPU_STEPS picks steps (default "tests sanitize bench"; "tune" re-tunes TQGEN_TUNE_CONFIGS, default the
 # four planes configs, as the committed planes files were tuned (tqgen tune's default 1, 4, 8 and 16 query heads
-# per KV head, or TQGEN_TUNE_GROUPS; minutes a config and group size on the H200: docs/tuning.md), and packs
+# per KV head, or TQGEN_TUNE_GROUPS; about 4.5 minutes a config on the H200: docs/tuning.md), and packs
 # the tuned files written so far into OUT_DIR/tuned.tar after each config (`tar -xf tuned.tar` in the checkout
 # restores them): a call that runs out of time keeps the configs it finished; "multi" times decode_multi
 # at q_len 1-8 against decode, tools/bench_decode_multi.py, before the benchmark). TQGEN_SANITIZE_CONFIGS

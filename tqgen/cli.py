@@ -273,6 +273,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         raise TqgenError(f"tune: --block-kv takes powers of two >= 32, got {list(space.block_kv)}")
     if any(v < 1 for v in space.num_warps + space.num_stages + space.num_splits):
         raise TqgenError("tune: --warps, --stages and --splits take positive integers")
+    if args.compile_workers < 1:
+        raise TqgenError(f"tune: --compile-workers takes a positive integer, got {args.compile_workers}")
     buckets = default_buckets(args.group_size, args.batch, args.context)
     root = Path(args.tuned_dir) if args.tuned_dir else emit.default_tuned_dir()
     fingerprint = tuned_files.device_fingerprint()
@@ -284,7 +286,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         try:
             module = emit.load(config, args.cache_dir, tuned_dir=root)
             path = tuner.tune(config, module, buckets, space, root=root, fingerprint=fingerprint,
-                             num_kv_heads=args.kv_heads, force=args.force,
+                             screen_timer=None if args.exhaustive else tuner.cuda_graph_screen_timer,
+                             compile_workers=args.compile_workers, num_kv_heads=args.kv_heads, force=args.force,
                              progress=lambda line: print("  " + line, flush=True))
         except TqgenError as exc:  # the next config is independent: tune it, fail at the end
             errors.append(str(exc))
@@ -295,6 +298,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if errors:
         raise TqgenError(f"tune: {len(errors)} of {len(configs)} configs did not finish: " + " | ".join(errors))
     return 0
+
+
+def _default_compile_workers() -> int:
+    return max(1, min(16, (os.cpu_count() or 1) - 1))
 
 
 def _cuda_available() -> bool:
@@ -359,6 +366,11 @@ def make_parser() -> argparse.ArgumentParser:
     tune.add_argument("--force", action="store_true",
                       help="re-tune buckets already in the file; a file tuned for another setup (kernel, triton, "
                            "device) or damaged is kept as NAME.json.replaced-TIME and tuned afresh")
+    tune.add_argument("--compile-workers", type=int, default=_default_compile_workers(), metavar="N",
+                      help="processes that compile the candidates' kernels before the timing; 1: compile each "
+                           "when first timed (default: one per CPU core but one, at most 16: %(default)s)")
+    tune.add_argument("--exhaustive", action="store_true",
+                      help="time every candidate by the full 20 ms run, not only the finalists of a 5 ms screening")
     tune.add_argument("--tuned-dir", metavar="DIR", help="default: tuned/ of the checkout ($TQGEN_TUNED_DIR)")
     tune.add_argument("--cache-dir", metavar="DIR")
     tune.set_defaults(run=_cmd_tune)

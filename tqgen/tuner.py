@@ -37,6 +37,13 @@ CHECK_BATCH, CHECK_CONTEXT = 2, 2048
 # k3v4 at head_dim 64, batch 1 x 256 tokens, it reached 1.08e-3 of the 1.5e-3 limit, and a CI run
 # on fresh draws once rejected every candidate of that bucket.
 PROBLEM_SEED = 0
+# Screening (`tqgen tune`'s default): every candidate is timed by a 5 ms CUDA-graph run, then the finalists within
+# 5% of the fastest (at most 8) by the full 20 ms run. On the H200 (k3v4 planes, 32 x 16384, 24 candidates,
+# 2026-12-04) the 5 ms medians were within 2% of the 20 ms ones (two 20 ms runs: within 1.5%) and took
+# 0.03-0.05 s a candidate against 0.09-0.21 s.
+SCREEN_MARGIN, SCREEN_FINALISTS, SCREEN_REP_MS = 0.05, 8, 5
+# Compile classes are drawn at no more than this context (compile_classes).
+COMPILE_CONTEXT = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,15 +79,21 @@ def cuda_graph_timer(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench_cudagraph(fn, return_mode="median")
 
 
-def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int, context: int,
-                space: SearchSpace, *, timer: Callable, num_kv_heads: int = 8, device="cuda") -> dict:
-    """Time every candidate of one bucket; returns the bucket's entry for the tuned file."""
-    started = time.monotonic()
+def cuda_graph_screen_timer(fn: Callable[[], object]) -> float:
+    """cuda_graph_timer over a quarter of its run (SCREEN_REP_MS): a candidate's screening time."""
+    import triton
+
+    return triton.testing.do_bench_cudagraph(fn, rep=SCREEN_REP_MS, return_mode="median")
+
+
+def _bucket_problem(module: ModuleType, config: Config, group_size: int, batch: int, context: int,
+                    num_kv_heads: int, max_splits: int, device) -> dict:
+    """One bucket's timed problem (drawn from PROBLEM_SEED), the reduced copy its candidates are checked on,
+    the codebook arguments, the output and the workspace (room for max_splits, the space's most)."""
     generator = torch.Generator(device=device).manual_seed(PROBLEM_SEED)
     # A slots cache is timed as make_cache and vLLM allocate it (head-major).
     problem = random_problem(module, config, batch, context, num_kv_heads * group_size, num_kv_heads, device,
                              generator)
-    codebook = codebook_kwargs(module, device)
     # The check reads a copy of the blocks its sequences use (the reference converts the whole cache
     # it is given: a planes cache at 32 x 65536 would take tens of GB).
     check_pages = (CHECK_CONTEXT + config.block_size - 1) // config.block_size
@@ -88,28 +101,56 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
     check = {"query": problem["query"][:CHECK_BATCH], "cache": problem["cache"][check_blocks.flatten().long()],
              "block_table": torch.arange(check_blocks.numel(), dtype=torch.int32, device=device).view(check_blocks.shape),
              "seq_lens": problem["seq_lens"][:CHECK_BATCH].clamp(max=CHECK_CONTEXT)}
-    expected = reference.decode(Layout.from_config(config), check["query"], check["cache"], check["block_table"], check["seq_lens"],
-                                codebook.get("rotation"), codebook.get("centroids"))
+    return {"problem": problem, "check": check, "codebook": codebook_kwargs(module, device),
+            "out": torch.empty_like(problem["query"]),
+            "workspace": module.DecodeWorkspace(batch, problem["query"].shape[1], max_splits, device)}
+
+
+def _candidate_calls(module: ModuleType, setup: dict, launch: dict) -> tuple[Callable, Callable]:
+    """(check, call) of one candidate launch: decode of the reduced copy (returns its output) and of the whole
+    problem into the bucket's output and workspace (what is timed)."""
+    check, problem, codebook = setup["check"], setup["problem"], setup["codebook"]
+
+    def run_check():
+        return module.decode(check["query"], check["cache"], check["block_table"], check["seq_lens"],
+                             validate=False, **launch, **codebook)
+
+    def call():
+        module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"],
+                      out=setup["out"], workspace=setup["workspace"], validate=False, **launch, **codebook)
+
+    return run_check, call
+
+
+def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int, context: int,
+                space: SearchSpace, *, timer: Callable, screen_timer: Callable | None = None,
+                num_kv_heads: int = 8, device="cuda") -> dict:
+    """Time every candidate of one bucket; returns the bucket's entry for the tuned file.
+
+    With screen_timer, every candidate is timed by it (a short run) and only the finalists, those within
+    SCREEN_MARGIN of the fastest (at most SCREEN_FINALISTS), again by timer; the entry's timings_us then
+    holds the finalists' timer results and the others' screening results, and `retimed` names the finalists.
+    """
+    started = time.monotonic()
+    setup = _bucket_problem(module, config, group_size, batch, context, num_kv_heads, max(space.num_splits),
+                            device)
+    check = setup["check"]
+    expected = reference.decode(Layout.from_config(config), check["query"], check["cache"], check["block_table"],
+                                check["seq_lens"], setup["codebook"].get("rotation"), setup["codebook"].get("centroids"))
     limit = DECODE_TOLERANCE[torch.float16]
-    out = torch.empty_like(problem["query"])
-    workspace = module.DecodeWorkspace(batch, problem["query"].shape[1], max(space.num_splits), device)
-    timings, rejected = {}, {}
+    timings, rejected, calls = {}, {}, {}
     launches = {tuned_files.candidate_id(launch): launch for launch in space.candidates(rotations(module, batch))}
     for name, launch in launches.items():
         try:
-            got = module.decode(check["query"], check["cache"], check["block_table"], check["seq_lens"],
-                                validate=False, **launch, **codebook)
+            run_check, call = _candidate_calls(module, setup, launch)
+            got = run_check()
             error = relative_error(got, expected)
             if not (error <= limit and torch.isfinite(got).all()):
                 rejected[name] = f"relative error {error:.2e} against the reference (limit {limit:.2g})"
                 continue
-
-            def call(launch=launch):
-                module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"],
-                              out=out, workspace=workspace, validate=False, **launch, **codebook)
-
             call()
-            timings[name] = round(timer(call) * 1e3, 2)
+            timings[name] = round((screen_timer or timer)(call) * 1e3, 2)
+            calls[name] = call
         except Exception as exc:  # a candidate that cannot compile or launch is a result, not a crash
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -117,6 +158,14 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
     if not timings:
         raise TqgenError(f"bucket {bucket_key(group_size, batch, context)}: every candidate was rejected "
                          f"({next(iter(rejected.values()), 'no candidates')})")
+    retimed = {}
+    if screen_timer is not None:
+        fastest = min(timings.values())
+        finalists = sorted((name for name, us in timings.items() if us <= fastest * (1 + SCREEN_MARGIN)),
+                           key=timings.get)[:SCREEN_FINALISTS]
+        retimed = {"retimed": finalists}
+        for name in finalists:
+            timings[name] = round(timer(calls[name]) * 1e3, 2)
     best_name = min(timings, key=timings.get)
     best = launches[best_name]
     return {
@@ -125,16 +174,90 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
         "best": best,
         "best_us": timings[best_name],
         "timings_us": dict(sorted(timings.items(), key=lambda item: item[1])),
+        **retimed,
         "rejected": rejected,
         "seconds": round(time.monotonic() - started, 1),
     }
 
 
+def compile_classes(shapes) -> list[tuple[int, int, int]]:
+    """The (group size, batch, context) problems whose candidates compile every kernel that the buckets
+    `shapes` (group size, batch, context) will run: one per group size and batch, at its smallest context
+    (at most 4096 tokens). A launch's kernels specialize on the group size, the batch (dependent launches
+    and the query's rotation in stage 1 are chosen by it, and a batch of 1 is a constant of its own) and
+    the launch, not on the context: every argument that grows with it (pages per sequence, blocks) is
+    a multiple of 16 from 256 tokens on, which is all triton specializes on."""
+    smallest: dict[tuple[int, int], int] = {}
+    for group_size, batch, context in shapes:
+        smallest[(group_size, batch)] = min(context, smallest.get((group_size, batch), context))
+    return [(group_size, batch, min(context, COMPILE_CONTEXT)) for (group_size, batch), context in smallest.items()]
+
+
+def _compile_class(module_file: str, config: Config, group_size: int, batch: int, context: int,
+                   space: SearchSpace, num_kv_heads: int, device: str) -> int:
+    """In a worker process: run each candidate of one compile class once (its check and its whole call), so
+    that triton compiles their kernels into its on-disk cache, where the tuning process then finds them.
+    Returns how many candidates failed (the tuner records why when it meets them)."""
+    module = _loaded_module(module_file)
+    setup = _bucket_problem(module, config, group_size, batch, context, num_kv_heads, max(space.num_splits),
+                            device)
+    failed = 0
+    for launch in space.candidates(rotations(module, batch)):
+        try:
+            for run in _candidate_calls(module, setup, launch):
+                run()
+        except Exception:  # noqa: BLE001 (recorded by the tuner itself, in series)
+            failed += 1
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+    return failed
+
+
+def _loaded_module(module_file: str) -> ModuleType:
+    """The emitted module at module_file, imported in this process."""
+    from . import emit
+
+    return emit.load(module_file)
+
+
+def precompile(module: ModuleType, config: Config, shapes, space: SearchSpace, *, workers: int,
+               num_kv_heads: int = 8, device="cuda", progress: Callable[[str], None] = print) -> None:
+    """Compile the kernels of every candidate of the buckets `shapes` in `workers` processes side by side,
+    before they are timed in series: compiling took about half of a tune on the H200 (one process compiles
+    one kernel at a time, 30-40 s in each of the first buckets of a group size). Triton's on-disk cache
+    hands the kernels to the tuning process. A worker that fails costs only time: whatever it did not
+    compile is compiled when first timed."""
+    import concurrent.futures
+    import multiprocessing
+
+    classes = compile_classes(shapes)
+    workers = min(workers, len(classes))
+    if workers < 2 or not str(device).startswith("cuda"):
+        return
+    started = time.monotonic()
+    progress(f"compiling the candidates of {len(classes)} (group size, batch) classes in {workers} processes")
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    failures = []
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        jobs = {pool.submit(_compile_class, module.__file__, config, group_size, batch, ctx, space, num_kv_heads,
+                            str(device)): (group_size, batch) for group_size, batch, ctx in classes}
+        for job in concurrent.futures.as_completed(jobs):
+            try:
+                job.result()
+            except Exception as exc:  # noqa: BLE001 (a lost worker: its kernels compile in series)
+                failures.append(f"g{jobs[job][0]} b{jobs[job][1]}: {type(exc).__name__}: {str(exc)[:120]}")
+    note = f"; not compiled ahead (compiled when timed): {'; '.join(failures)}" if failures else ""
+    progress(f"compiled in {time.monotonic() - started:.0f} s{note}")
+
+
 def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]], space: SearchSpace, *,
-         root: Path, fingerprint: dict, timer: Callable = cuda_graph_timer,
-         num_kv_heads: int = 8, device="cuda", force: bool = False,
+         root: Path, fingerprint: dict, timer: Callable = cuda_graph_timer, screen_timer: Callable | None = None,
+         num_kv_heads: int = 8, device="cuda", force: bool = False, compile_workers: int = 1,
          progress: Callable[[str], None] = print) -> Path:
     """Tune the buckets not yet in the file (all with force=True); returns the tuned file's path.
+
+    screen_timer: see tune_bucket. compile_workers > 1 compiles the candidates' kernels in that many
+    processes first (precompile; CUDA devices only).
 
     A file that is corrupt or tuned for another setup (kernel, triton, device) is refused,
     or with force=True renamed to NAME.json.replaced-TIME (tuned_files.set_aside_unusable) and re-tuned_files.
@@ -161,6 +284,10 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
         bounds = bucket_bounds(key)
         shapes.setdefault(key, (group_size, bounds["batch"][1], bounds["context"][1]))
     total = len(shapes)
+    todo = [shape for key, shape in shapes.items() if force or key not in done]
+    if todo and compile_workers > 1:
+        precompile(module, config, todo, space, workers=compile_workers, num_kv_heads=num_kv_heads, device=device,
+                   progress=progress)
     failed = []
     for index, (key, (group_size, batch, context)) in enumerate(shapes.items(), 1):
         if key in done and not force:
@@ -168,7 +295,7 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
             continue
         try:
             entry = tune_bucket(module, config, group_size, batch, context, space, timer=timer,
-                                num_kv_heads=num_kv_heads, device=device)
+                                screen_timer=screen_timer, num_kv_heads=num_kv_heads, device=device)
         except TqgenError as exc:  # one bad bucket must not cost the others: report it, go on
             failed.append(key)
             progress(f"[{index}/{total}] {key}: FAILED, {exc}")
