@@ -485,3 +485,24 @@ def test_a_token_whose_centroids_are_all_zero_stores_the_largest_fp16_norm(devic
     out = module.decode(query, cache, block_table, seq_lens, **kwargs)
     want = reference.decode(Layout.from_config(config), query, cache, block_table, seq_lens, **kwargs)
     assert torch.isfinite(out).all() and relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
+
+
+def test_the_tensor_core_key_store_experiment_compiles_for_sm90():
+    """tools/store_keys_mma.py (an experiment beside tq_store, BENCHMARKS.md "Store") compiles offline for sm90 with
+    this triton: one mma.sync per 16 head dims, 16 tokens and 8 output dims of each block (8 blocks)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.experimental.gluon")
+    repo = Path(__file__).resolve().parent.parent
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "tools/store_keys_mma.py", "--compile"], cwd=repo, env=environment,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = re.findall(r"BLOCK_T (\d+) COUNT_SQUARES (\w+) VALUES (\w+) .*; mma\.sync x(\d+)", result.stdout)
+    # 8 blocks x BLOCK_T // 16 row tiles x 2 column tiles
+    assert sorted((int(t), c, v, int(m)) for t, c, v, m in found) == [
+        (16, "False", "False", 16), (16, "True", "False", 16), (16, "True", "True", 16), (32, "True", "False", 32)]
