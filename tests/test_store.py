@@ -506,3 +506,113 @@ def test_the_tensor_core_key_store_experiment_compiles_for_sm90():
     # 8 blocks x BLOCK_T // 16 row tiles x 2 column tiles
     assert sorted((int(t), c, v, int(m)) for t, c, v, m in found) == [
         (16, "False", "False", 16), (16, "True", "False", 16), (16, "True", "True", 16), (32, "True", "False", 32)]
+
+
+# --- the planes store's 3-bit keys on the tensor cores (plan.store_keys_mma) ---------------------------------
+@pytest.mark.parametrize("fields,expected", [
+    (dict(preset="k3v4"), True), (dict(preset="k3v3"), True), (dict(preset="k4v4"), False),
+    (dict(preset="k8v4"), False), (dict(preset="k3v4", cache_layout="slots"), False),
+    (dict(preset="k3v4", head_dim=64), False), (dict(preset="k3v4", rotation="random"), False),
+    (dict(preset="k3v4", norm_correction=False), False),
+])
+def test_the_tensor_core_key_store_renders_for_split_3_bit_hadamard_keys_of_head_dim_128(fields, expected):
+    fields = dict(fields)
+    preset, head_dim = fields.pop("preset"), fields.pop("head_dim", 128)
+    config = make_config(preset, head_dim=head_dim, **{"cache_layout": "planes", **fields})
+    assert Plan.from_config(config).store_keys_mma is expected
+    from tqgen import render
+    source = render.render(config)
+    assert ("def tq_store_keys_mma(" in source) is expected and ("KEYS: tl.constexpr" in source) is expected
+
+
+def test_in_the_interpreter_the_store_keeps_one_kernel(build_module, monkeypatch):
+    """The Gluon kernel cannot run in the interpreter (nor below STORE_MMA_MIN_TOKENS, nor for fp32 keys):
+    tq_store writes keys and values, KEYS=True."""
+    config = make_config("k3v4", cache_layout="planes")
+    module = build_module(config)
+    assert module.STORE_KEYS_MMA is False  # experimental: off unless TQGEN_STORE_KEYS_MMA=1
+    monkeypatch.setattr(module, "STORE_KEYS_MMA", True)
+    monkeypatch.setattr(module, "STORE_MMA_MIN_TOKENS", 1)
+    store = KernelRecorder(module.tq_store)
+    monkeypatch.setattr(module, "tq_store", store)
+    batch = paged_batch(config, [3, 17], num_kv_heads=2, device="cpu", generator=torch.Generator().manual_seed(5))
+    cache = module.make_cache(batch.num_blocks, 2, "cpu")
+    module.store(batch.key, batch.value, cache, batch.slot_mapping, **codebook_kwargs(module, config, "cpu"))
+    assert [kwargs["KEYS"] for _, _, kwargs in store.launches] == [True]
+
+
+_STORE_MMA_COMPILE = """
+import json, os, sys, tempfile
+sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
+import ptx_probe, tqgen
+from tqgen import config as config_mod
+for name in sys.argv[1:]:
+    module = tqgen.load(config_mod.resolve_arch(config_mod.load(f"configs/{name}.yaml"), (9, 0)), tempfile.mkdtemp())
+    compiled = ptx_probe.compile_store_keys_mma(module)
+    print(json.dumps(dict(name=name, usage=ptx_probe.ptxas_usage(compiled.asm["ptx"]),
+                          mma=compiled.asm["ptx"].count("mma.sync.aligned.m16n8k16"),
+                          local=compiled.asm["ptx"].count(".local"))))
+"""
+
+
+def test_the_tensor_core_key_store_compiles_for_sm90():
+    """The rendered tq_store_keys_mma of k3v4 and k3v3 planes compiled offline for sm90 (this triton): 16 MMAs
+    (8 blocks x 2 column tiles), no local memory."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.experimental.gluon")
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _STORE_MMA_COMPILE, "k3v4-d128-planes", "k3v3-d128-planes"],
+                            cwd=Path(__file__).resolve().parent.parent, env=environment, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [report["name"] for report in reports] == ["k3v4-d128-planes", "k3v3-d128-planes"]
+    for report in reports:
+        assert report["mma"] == 16 and report["local"] == 0, report
+        assert "stack" not in report["usage"] or "0 bytes cumulative stack" in report["usage"], report
+
+
+@pytest.mark.parametrize("preset", ["k3v4", "k3v3"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [[1, 15, 17, 40], [2100, 2001]], ids=["73-tokens", "4101-tokens"])
+@pytest.mark.parametrize("_", [pytest.param(None, id="cuda", marks=GPU)])
+def test_keys_stored_on_the_tensor_cores_match_the_reference_and_skip_what_they_must(build_module, monkeypatch,
+                                                                                    preset, dtype, lengths, _):
+    """tq_store_keys_mma then tq_store (KEYS=False): the reference's bytes (codes up to boundary ties), skipped
+    slots (negative, or past the cache unvalidated) untouched, partial tiles masked; 73 tokens with the
+    threshold lowered to 1."""
+    config = make_config(preset, cache_layout="planes")
+    module = build_module(config)
+    monkeypatch.setattr(module, "STORE_KEYS_MMA", True)  # experimental: off by default until this test passes
+    if sum(lengths) < module.STORE_MMA_MIN_TOKENS:
+        monkeypatch.setattr(module, "STORE_MMA_MIN_TOKENS", 1)
+    keys_kernel, store = KernelRecorder(module.tq_store_keys_mma), KernelRecorder(module.tq_store)
+    monkeypatch.setattr(module, "tq_store_keys_mma", keys_kernel)
+    monkeypatch.setattr(module, "tq_store", store)
+    batch = paged_batch(config, lengths, num_kv_heads=2, device="cuda", dtype=dtype,
+                        generator=torch.Generator().manual_seed(len(lengths)))
+    skipped = torch.zeros_like(batch.slot_mapping, dtype=torch.bool)
+    skipped[::5] = True
+    batch.slot_mapping = torch.where(skipped, torch.full_like(batch.slot_mapping, -1), batch.slot_mapping)
+    batch.slot_mapping[1] = batch.num_blocks * config.block_size + 3  # past the cache: skipped unvalidated
+    kwargs = codebook_kwargs(module, config, "cuda")
+    cache = module.make_cache(batch.num_blocks, 2, "cuda").fill_(SENTINEL)
+    expected = cache.clone()
+    module.store(batch.key, batch.value, cache, batch.slot_mapping, validate=False, **kwargs)
+    assert len(keys_kernel.launches) == 1 and [kw["KEYS"] for _, _, kw in store.launches] == [False]
+    inside = batch.slot_mapping < batch.num_blocks * config.block_size
+    reference.store(Layout.from_config(config), batch.key[inside], batch.value[inside], expected,
+                    batch.slot_mapping[inside], kwargs.get("rotation"), kwargs.get("centroids"))
+    differing = store_differences(config, cache, expected, batch.key[inside], batch.slot_mapping[inside],
+                                  kwargs.get("rotation"), kwargs.get("centroids"))
+    assert differing == 0, f"{differing} bytes differ"
+    # store_differences compared every byte outside the written slots' key fields with the reference's (which
+    # skips negative slots); and pages that no stored token maps to keep the sentinel in every plane.
+    kept = batch.slot_mapping[inside & (batch.slot_mapping >= 0)].cpu()
+    unused = sorted(set(range(batch.num_blocks)) - set((kept // config.block_size).tolist()))
+    assert unused and torch.all(cache[unused].cpu() == SENTINEL)

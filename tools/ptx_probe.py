@@ -125,12 +125,26 @@ def compile_multi_stage1_mma(module, block_kv: int, group_size: int, q_len: int,
                          options.pop("num_warps"), 1, GluonASTSource, **options)
 
 
+def compile_store_keys_mma(module):
+    """The store's key kernel on the tensor cores (planes, split 3-bit keys: Plan.store_keys_mma) for fp16 keys."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    pointer_types = {"key_ptr": "*fp16", "boundaries_ptr": "*fp32", "centroids_ptr": "*fp32",
+                     "slot_mapping_ptr": "*i64", "cache_ptr": "*u8"}
+    constants = dict(PAGE_SIZE=module.PAGE_SIZE, KEY_CODE_PLANE=module.KEY_CODE_PLANE,
+                     KEY_CODE_BYTES=module.KEY_CODE_BYTES, KEY_HIGH_BITS_AT=module.KEY_HIGH_BITS_AT,
+                     KEY_NORM_PLANE=module.KEY_NORM_PLANE, BLOCK_T=module.STORE_MMA_TOKENS)
+    return _compile_sm90(module.tq_store_keys_mma, constants, pointer_types, ("stride_",), 1, 1, GluonASTSource)
+
+
 def compile_store(module, block_t: int, warps: int):
     """The store kernel for fp16 keys and values."""
     kernel = module.tq_store
     constants = {"BLOCK_T": block_t}
     if "KEYS_ROTATED" in kernel.arg_names:
         constants["KEYS_ROTATED"] = module.CONFIG["rotation"] != "hadamard"
+    if "KEYS" in kernel.arg_names:  # the key path too (without it where tq_store_keys_mma writes the keys)
+        constants["KEYS"] = True
     pointer_types = {"key_ptr": "*fp16", "value_ptr": "*fp16", "slot_mapping_ptr": "*i64", "cache_ptr": "*u8"}
     # A slots cache's head stride is the slot size, which is rarely a multiple of 16 (a launch then
     # specializes it as unaligned); its block and position strides are, with 16-token pages and 8 heads.

@@ -1,4 +1,5 @@
-"""EXPERIMENT (not in the product): the planes store's 3-bit key codes and norms on the tensor cores, in Gluon.
+"""EXPERIMENT: the planes store's 3-bit key codes and norms on the tensor cores, in Gluon (its keys-only form is
+templates/store/keys_mma.py.jinja, tq_store_keys_mma, off unless TQGEN_STORE_KEYS_MMA=1).
 
     python3 tools/store_keys_mma.py --compile          # no GPU: registers and SASS of each variant (sm90)
     python3 tools/store_keys_mma.py [CONFIG] [--tokens 65536]   # GPU: checked against tq_store, then timed

@@ -200,6 +200,15 @@ class Plan:
         return not self.key_fp8 and self.config.rotation == "hadamard"
 
     @property
+    def store_keys_mma(self) -> bool:
+        """The store writes key codes and norms on the tensor cores (store/keys_mma.py.jinja, Gluon) and tq_store
+        the values, for enough tokens on a GPU that can: planes, split 3-bit MSE keys under the config's Hadamard
+        rotation, head_dim 128 (its bit placement), norms corrected at store time."""
+        layout = self.layout
+        return (layout.planes and self.hadamard_keys and layout.key_bits == 3 and self.key_codes.split
+                and layout.head_dim == 128 and layout.key_norm_corrected)
+
+    @property
     def stage1_rotates_query(self) -> bool:
         return self.hadamard_keys and self.planes and self.D == 128
 
