@@ -646,11 +646,10 @@ def test_a_waiter_on_a_lock_file_deleted_by_its_holder_locks_the_new_one(tmp_pat
     assert order == ["holder in", "holder out", "waiter in"] and not lock_path.exists()
 
 
-def test_screening_retimes_only_the_finalists_and_keeps_the_fastest():
+def test_screening_retimes_only_the_finalists_and_keeps_the_fastest(setup):
     """With a screen timer every candidate is screened, and only those within SCREEN_MARGIN of the fastest are
     timed again by the full timer; the entry names them and keeps the best of all recorded timings."""
-    config = make_config("k3v4", head_dim=64)
-    module = emit.load(config)
+    config, module = setup
     screened = iter([10.0, 10.4, 12.0, 30.0])  # ms, in SPACE's candidate order
     final = iter([11.0, 9.0])  # ms, the finalists from the fastest screening on
     screen_calls, final_calls = [], []

@@ -10,7 +10,7 @@ and n0 bits of an MMA column): H128 = H8 (x) H16 with the bits placed so, so x @
 Lane 4 g + t then holds dims 32 t .. 32 t + 31 of its tokens: four whole groups of 8 codes, packed in registers
 (no shared memory). COUNT_SQUARES forms the norm correction's sum of centroid squares from popcounts of the code
 words' bit products instead of selecting a square per element. tq_store's value path is timed alone beside it
-(its key path cut from the rendered source), to see what a split store (this kernel, then values) would take.
+(KEYS=False), to see what a split store (this kernel, then values) would take.
 
 H200, 2026-12-04, k3v4-d128-planes, 65536 tokens x 8 KV heads into shuffled slots, graph replay, one run (this
 tool): the shipped tq_store 259.6 us (30.0% of the ceiling for the whole store's bytes); this kernel's keys alone
@@ -30,7 +30,6 @@ import argparse
 import functools
 import os
 import sys
-import tempfile
 
 import triton
 from triton.experimental import gluon
@@ -90,6 +89,17 @@ def _square3(code, s0, s1, s2, s3, s4, s5, s6, s7):
     low = gl.where(bit1, gl.where(bit0, s3, s2), gl.where(bit0, s1, s0))
     high = gl.where(bit1, gl.where(bit0, s7, s6), gl.where(bit0, s5, s4))
     return gl.where((code & 4) != 0, high, low)
+
+
+@gluon.jit
+def _group_word(c0, c1, c2, c3, n0, HIGH: gl.constexpr, STEP0: gl.constexpr, STEP1: gl.constexpr):
+    """The column pairs' sum of four blocks' code parts (the high bit, else the low 2 bits), block i shifted to
+    n0 + STEP0 (i % 2) + STEP1 (i // 2): one group word's bits in each lane."""
+    if HIGH:
+        c0, c1, c2, c3 = c0 >> 2, c1 >> 2, c2 >> 2, c3 >> 2
+    else:
+        c0, c1, c2, c3 = c0 & 3, c1 & 3, c2 & 3, c3 & 3
+    return _pair_reduce((c0 << n0) | (c1 << (n0 + STEP0)) | (c2 << (n0 + STEP1)) | (c3 << (n0 + STEP0 + STEP1)))
 
 
 @gluon.jit
@@ -176,15 +186,15 @@ def tq_store_keys_mma(key_ptr, boundaries_ptr, centroids_ptr, value_ptr, slot_ma
     # its low bits go to 4 (k % 4) + 2 (k // 4) = 4 n0 + 8 a0 + 2 a1, its high bit to 4 n0 + a0 + 2 a1.
     column = gl.arange(0, 16, layout=gl.SliceLayout(0, _MMA))
     n0 = (column & 1)[None, :] * 4
-    low_lo = _pair_reduce(((c0 & 3) << n0) | ((c1 & 3) << (n0 + 8)) | ((c2 & 3) << (n0 + 2)) | ((c3 & 3) << (n0 + 10)))
-    low_hi = _pair_reduce(((c4 & 3) << n0) | ((c5 & 3) << (n0 + 8)) | ((c6 & 3) << (n0 + 2)) | ((c7 & 3) << (n0 + 10)))
-    high_lo = _pair_reduce(((c0 >> 2) << n0) | ((c1 >> 2) << (n0 + 1)) | ((c2 >> 2) << (n0 + 2)) | ((c3 >> 2) << (n0 + 3)))
-    high_hi = _pair_reduce(((c4 >> 2) << n0) | ((c5 >> 2) << (n0 + 1)) | ((c6 >> 2) << (n0 + 2)) | ((c7 >> 2) << (n0 + 3)))
+    low_lo = _group_word(c0, c1, c2, c3, n0, False, 8, 2)
+    low_hi = _group_word(c4, c5, c6, c7, n0, False, 8, 2)
+    high_lo = _group_word(c0, c1, c2, c3, n0, True, 1, 2)
+    high_hi = _group_word(c4, c5, c6, c7, n0, True, 1, 2)
     s0, s1, s2, s3, s4, s5, s6, s7 = q0 * q0, q1 * q1, q2 * q2, q3 * q3, q4 * q4, q5 * q5, q6 * q6, q7 * q7
     if COUNT_SQUARES:
         # sum_i s(code_i) from counts of the code bits' products (multilinear in b0, b1, b2): popcounts of the words.
-        spread_lo = _pair_reduce(((c0 >> 2) << n0) | ((c1 >> 2) << (n0 + 8)) | ((c2 >> 2) << (n0 + 2)) | ((c3 >> 2) << (n0 + 10)))
-        spread_hi = _pair_reduce(((c4 >> 2) << n0) | ((c5 >> 2) << (n0 + 8)) | ((c6 >> 2) << (n0 + 2)) | ((c7 >> 2) << (n0 + 10)))
+        spread_lo = _group_word(c0, c1, c2, c3, n0, True, 8, 2)
+        spread_hi = _group_word(c4, c5, c6, c7, n0, True, 8, 2)
         low = low_lo | (low_hi << 16)
         b2 = spread_lo | (spread_hi << 16)
         b0 = low & 0x55555555
@@ -296,20 +306,6 @@ def compile_report() -> None:
               f"{ptx_probe.ptxas_usage(compiled.asm['ptx'])}; {sass} SASS; mma.sync x{compiled.asm['ptx'].count('mma.sync')}")
 
 
-def _values_only_store(config):
-    """tq_store of the config with its key path cut out of the rendered source (the value path alone)."""
-    from ablate_stage1 import import_source  # beside this file
-    from tqgen import config as config_mod, render
-
-    source = render.render(config_mod.resolve_arch(config, (9, 0)))
-    key_load = source.index("    key = tl.load(key_ptr")
-    value_load = source.index("    value = tl.load(value_ptr", key_load)
-    key_path = source.index("    if KEYS_ROTATED:", value_load)
-    value_path = source.index("    value = value.to(tl.float32)", key_path)
-    text = source[:key_load] + source[value_load:key_path] + source[value_path:]
-    return import_source(text, "values_only_store", tempfile.mkdtemp()).tq_store
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default="configs/k3v4-d128-planes.yaml")
@@ -331,7 +327,6 @@ def main() -> None:
     codebook = testing.codebook_kwargs(module, "cuda")
     centroids = codebook["centroids"]
     boundaries = module.decision_boundaries(centroids).float().contiguous()
-    values_only = _values_only_store(config)
     ceiling = bench.copy_ceiling_gbps()
     num_tokens, heads = args.tokens, 8
     key = torch.randn(num_tokens, heads, 128, dtype=torch.float16, device="cuda")
@@ -346,11 +341,11 @@ def main() -> None:
         fn()
         return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
 
-    def values(cache):
-        values_only[(triton.cdiv(num_tokens, 8), heads)](
+    def values(cache):  # tq_store's value path alone (KEYS=False: the keys are written elsewhere)
+        module.tq_store[(triton.cdiv(num_tokens, 8), heads)](
             key, key, boundaries, centroids, value, slots, cache, num_tokens, num_blocks * 16, key.stride(0),
             key.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1), cache.stride(0),
-            cache.stride(1), BLOCK_T=8, num_warps=2, KEYS_ROTATED=False)
+            cache.stride(1), BLOCK_T=8, num_warps=2, KEYS_ROTATED=False, KEYS=False)
 
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}, {config.name}, {num_tokens} tokens x {heads} "
           f"KV heads, shuffled slots; copy ceiling {ceiling:.0f} GB/s; % of it for the whole store's bytes")
