@@ -508,14 +508,15 @@ def test_the_tensor_core_key_store_experiment_compiles_for_sm90():
         (16, "False", "False", 16), (16, "True", "False", 16), (16, "True", "True", 16), (32, "True", "False", 32)]
 
 
-# --- the planes store's 3-bit keys on the tensor cores (plan.store_keys_mma) ---------------------------------
+# --- the store's 3- and 4-bit keys on the tensor cores (plan.store_keys_mma) ---------------------------------
 @pytest.mark.parametrize("fields,expected", [
-    (dict(preset="k3v4"), True), (dict(preset="k3v3"), True), (dict(preset="k4v4"), False),
+    (dict(preset="k3v4"), True), (dict(preset="k3v3"), True), (dict(preset="k4v4"), True),
     (dict(preset="k8v4"), False), (dict(preset="k3v4", cache_layout="slots"), False),
-    (dict(preset="k3v4", head_dim=64), False), (dict(preset="k3v4", rotation="random"), False),
-    (dict(preset="k3v4", norm_correction=False), False),
+    (dict(preset="k4v4", cache_layout="slots"), False), (dict(preset="k3v4", head_dim=64), False),
+    (dict(preset="k3v4", rotation="random"), False), (dict(preset="k4v4", rotation="random"), False),
+    (dict(preset="k3v4", norm_correction=False), True), (dict(preset="k4v4", norm_correction=False), True),
 ])
-def test_the_tensor_core_key_store_renders_for_split_3_bit_hadamard_keys_of_head_dim_128(fields, expected):
+def test_the_tensor_core_key_store_renders_for_planes_3_and_4_bit_hadamard_keys_of_head_dim_128(fields, expected):
     fields = dict(fields)
     preset, head_dim = fields.pop("preset"), fields.pop("head_dim", 128)
     config = make_config(preset, head_dim=head_dim, **{"cache_layout": "planes", **fields})
@@ -530,8 +531,7 @@ def test_in_the_interpreter_the_store_keeps_one_kernel(build_module, monkeypatch
     tq_store writes keys and values, KEYS=True."""
     config = make_config("k3v4", cache_layout="planes")
     module = build_module(config)
-    assert module.STORE_KEYS_MMA is False  # experimental: off unless TQGEN_STORE_KEYS_MMA=1
-    monkeypatch.setattr(module, "STORE_KEYS_MMA", True)
+    assert module.STORE_KEYS_MMA is True  # on unless TQGEN_STORE_KEYS_MMA=0
     monkeypatch.setattr(module, "STORE_MMA_MIN_TOKENS", 1)
     store = KernelRecorder(module.tq_store)
     monkeypatch.setattr(module, "tq_store", store)
@@ -556,8 +556,8 @@ for name in sys.argv[1:]:
 
 
 def test_the_tensor_core_key_store_compiles_for_sm90():
-    """The rendered tq_store_keys_mma of k3v4 and k3v3 planes compiled offline for sm90 (this triton): 16 MMAs
-    (8 blocks x 2 column tiles), no local memory."""
+    """The rendered tq_store_keys_mma of every shipped config that has one, compiled offline for sm90 (this
+    triton): 16 MMAs (8 blocks x 2 column tiles), no local memory."""
     import json
     import os
     import subprocess
@@ -566,29 +566,32 @@ def test_the_tensor_core_key_store_compiles_for_sm90():
 
     pytest.importorskip("triton.experimental.gluon")
     environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _STORE_MMA_COMPILE, "k3v4-d128-planes", "k3v3-d128-planes"],
+    names = ["k3v4-d128-planes", "k3v3-d128-planes", "k4v4-d128-planes"]
+    result = subprocess.run([sys.executable, "-c", _STORE_MMA_COMPILE, *names],
                             cwd=Path(__file__).resolve().parent.parent, env=environment, capture_output=True,
                             text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert [report["name"] for report in reports] == ["k3v4-d128-planes", "k3v3-d128-planes"]
+    assert [report["name"] for report in reports] == names
     for report in reports:
         assert report["mma"] == 16 and report["local"] == 0, report
         assert "stack" not in report["usage"] or "0 bytes cumulative stack" in report["usage"], report
 
 
-@pytest.mark.parametrize("preset", ["k3v4", "k3v3"])
+@pytest.mark.parametrize("preset", ["k3v4", "k3v3", "k4v4"])
+@pytest.mark.parametrize("norm_correction", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [[1, 15, 17, 40], [2100, 2001]], ids=["73-tokens", "4101-tokens"])
 @pytest.mark.parametrize("_", [pytest.param(None, id="cuda", marks=GPU)])
 def test_keys_stored_on_the_tensor_cores_match_the_reference_and_skip_what_they_must(build_module, monkeypatch,
-                                                                                    preset, dtype, lengths, _):
+                                                                                    preset, norm_correction, dtype,
+                                                                                    lengths, _):
     """tq_store_keys_mma then tq_store (KEYS=False): the reference's bytes (codes up to boundary ties), skipped
     slots (negative, or past the cache unvalidated) untouched, partial tiles masked; 73 tokens with the
-    threshold lowered to 1."""
-    config = make_config(preset, cache_layout="planes")
+    threshold lowered to 1. Norms corrected (the presets) or not."""
+    config = make_config(preset, cache_layout="planes", norm_correction=norm_correction)
     module = build_module(config)
-    monkeypatch.setattr(module, "STORE_KEYS_MMA", True)  # experimental: off by default until this test passes
+    monkeypatch.setattr(module, "STORE_KEYS_MMA", True)  # whatever TQGEN_STORE_KEYS_MMA says
     if sum(lengths) < module.STORE_MMA_MIN_TOKENS:
         monkeypatch.setattr(module, "STORE_MMA_MIN_TOKENS", 1)
     keys_kernel, store = KernelRecorder(module.tq_store_keys_mma), KernelRecorder(module.tq_store)

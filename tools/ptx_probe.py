@@ -126,15 +126,20 @@ def compile_multi_stage1_mma(module, block_kv: int, group_size: int, q_len: int,
 
 
 def compile_store_keys_mma(module):
-    """The store's key kernel on the tensor cores (planes, split 3-bit keys: Plan.store_keys_mma) for fp16 keys."""
+    """The store's key kernel on the tensor cores (Plan.store_keys_mma) for fp16 keys."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    kernel = module.tq_store_keys_mma
     pointer_types = {"key_ptr": "*fp16", "boundaries_ptr": "*fp32", "centroids_ptr": "*fp32",
                      "slot_mapping_ptr": "*i64", "cache_ptr": "*u8"}
-    constants = dict(PAGE_SIZE=module.PAGE_SIZE, KEY_CODE_PLANE=module.KEY_CODE_PLANE,
-                     KEY_CODE_BYTES=module.KEY_CODE_BYTES, KEY_HIGH_BITS_AT=module.KEY_HIGH_BITS_AT,
-                     KEY_NORM_PLANE=module.KEY_NORM_PLANE, BLOCK_T=module.STORE_MMA_TOKENS)
-    return _compile_sm90(module.tq_store_keys_mma, constants, pointer_types, ("stride_",), 1, 1, GluonASTSource)
+    constants = dict(PAGE_SIZE=module.PAGE_SIZE, BLOCK_T=module.STORE_MMA_TOKENS)
+    for name in ("KEY_CODE_PLANE", "KEY_CODE_BYTES", "KEY_HIGH_BITS_AT", "KEY_NORM_PLANE", "KEY_NORM_OFFSET"):
+        if name in kernel.arg_names:  # planes or slots, split or packed codes
+            constants[name] = getattr(module, name)
+    # A slots cache's head stride is the slot size (2 mod 4 here): specialized as unaligned, as a launch would.
+    aligned = ("stride_key", "stride_cache_block", "stride_cache_pos") if "stride_cache_pos" in kernel.arg_names \
+        else ("stride_",)
+    return _compile_sm90(kernel, constants, pointer_types, aligned, 1, 1, GluonASTSource)
 
 
 def compile_store(module, block_t: int, warps: int):

@@ -202,11 +202,26 @@ class Plan:
     @property
     def store_keys_mma(self) -> bool:
         """The store writes key codes and norms on the tensor cores (store/keys_mma.py.jinja, Gluon) and tq_store
-        the values, for enough tokens on a GPU that can: planes, split 3-bit MSE keys under the config's Hadamard
-        rotation, head_dim 128 (its bit placement), norms corrected at store time."""
+        the values, for enough tokens on a GPU that can: planes, split 3-bit or 4-bit MSE keys under the config's
+        Hadamard rotation, head_dim 128 (its bit placement). Not slots: there the two kernels write each slot's
+        fields in two passes, 16 bits at a time, and the pair was slower than tq_store alone (H200, 65536
+        tokens: 0.77-0.81x; docs/kernels.md)."""
         layout = self.layout
-        return (layout.planes and self.hadamard_keys and layout.key_bits == 3 and self.key_codes.split
-                and layout.head_dim == 128 and layout.key_norm_corrected)
+        return (layout.planes and self.hadamard_keys and layout.head_dim == 128
+                and (layout.key_bits == 4 or (layout.key_bits == 3 and self.key_codes.split)))
+
+    @staticmethod
+    def code_square_terms(bits: int) -> list[tuple[list[int], str]]:
+        """The sum of a token's squared centroids from counts of its codes' bits, for tq_store_keys_mma's norm
+        correction: sum_i s(code_i) = n s0 + sum over the nonempty subsets S of a code's bits of coef_S times the
+        number of codes with every bit of S set (s is multilinear in the bits: coef_S = sum over T within S of
+        (-1)^(|S| - |T|) s_T, T read as a code). One (bits of S, coef_S as an expression over `s{code}`) per S."""
+        terms = []
+        for subset in range(1, 1 << bits):
+            parts = [("+" if (bin(subset).count("1") - bin(code).count("1")) % 2 == 0 else "-") + f" s{code}"
+                     for code in range(subset, -1, -1) if code & subset == code]
+            terms.append(([bit for bit in range(bits) if subset >> bit & 1], "(" + " ".join(parts)[2:] + ")"))
+        return terms
 
     @property
     def stage1_rotates_query(self) -> bool:
