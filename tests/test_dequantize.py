@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import KERNEL_FORMATS, PRESETS, codebook_kwargs, make_config, planes_config_of, stored_cache
+from conftest import KERNEL_FORMATS, PRESETS, KernelRecorder, codebook_kwargs, make_config, planes_config_of, stored_cache
 from tqgen import reference
 from tqgen.layout import Layout
 from tqgen.testing import DEQUANT_TOLERANCE, relative_error
@@ -89,3 +89,49 @@ def test_unrotation_in_chunks_equals_one_gemm(device, build_module, monkeypatch,
     # A GEMM library may sum in another order for another row count: equal up to rounding.
     torch.testing.assert_close(chunked[0], whole[0])
     torch.testing.assert_close(chunked[1], whole[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cache_layout", ["slots", "planes"])
+@pytest.mark.parametrize("preset", ["k3v4", "k4v4"])
+def test_hadamard_keys_are_unrotated_in_the_kernel_and_other_matrices_after_it(device, build_module, monkeypatch,
+                                                                               preset, cache_layout):
+    """The config's Hadamard rotation (the tensor default_rotation returns) is undone inside tq_dequantize
+    (UNROTATE: a Walsh-Hadamard transform, no GEMM); the same matrix passed as another tensor takes the GEMMs
+    after the kernel. Both give the reference's keys, and the same values."""
+    config = make_config(preset, cache_layout=cache_layout)
+    module = build_module(config)
+    batch, cache = stored_cache(module, config, [37, 5], device)
+    kernel = KernelRecorder(module.tq_dequantize)
+    monkeypatch.setattr(module, "tq_dequantize", kernel)
+    calls = [module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.float32, rotation=rotation)
+             for rotation in (None, module.default_rotation(device).clone())]
+    assert [launch["UNROTATE"] for _, _, launch in kernel.launches] == [True, False]
+    want_keys, want_values = reference.dequantize(Layout.from_config(config), cache, batch.block_table,
+                                                  batch.seq_lens, module.default_rotation(device),
+                                                  module.default_centroids(device))
+    for keys, values in calls:
+        assert relative_error(keys, want_keys) < DEQUANT_TOLERANCE
+        assert torch.equal(values, calls[0][1])
+    # fp32 sums of 128 products of magnitude ~1 in two orders (butterflies, a GEMM): apart by a few 1e-6.
+    torch.testing.assert_close(calls[0][0], calls[1][0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["k3v4-d128", "k3v4-d96"], ids=["hadamard", "random-rotation"])
+def test_rotated_keys_are_returned_before_the_unrotation(device, build_module, monkeypatch, spec):
+    """rotated_keys=True: y = n * c_hat as stored (keys @ rotation), in the output dtype, no GEMM after the kernel."""
+    preset, head_dim = spec.split("-d")
+    config = make_config(preset, head_dim=int(head_dim))
+    module = build_module(config)
+    batch, cache = stored_cache(module, config, [37, 5], device)
+    keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.float32)
+    kernel = KernelRecorder(module.tq_dequantize)
+    monkeypatch.setattr(module, "tq_dequantize", kernel)
+    monkeypatch.setattr(module, "_UNROTATE_ROWS", 0)  # a GEMM after the kernel would now fail
+    rotated, rotated_values = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.float32,
+                                                rotated_keys=True)
+    half, _ = module.dequantize(cache, batch.block_table, batch.seq_lens, dtype=torch.float16, rotated_keys=True)
+    assert all(not launch.get("UNROTATE", False) for _, _, launch in kernel.launches)
+    assert kernel.launches[1][1][4].dtype == torch.float16  # written by the kernel in the output dtype
+    assert torch.equal(rotated_values, values) and torch.equal(half, rotated.to(torch.float16))
+    rotation = module.default_rotation(device)
+    torch.testing.assert_close(rotated @ rotation.t(), keys, rtol=1e-4, atol=1e-5)

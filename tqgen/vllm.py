@@ -360,14 +360,6 @@ def _is_module_hadamard(module, matrix) -> bool:
     return _derive(("hadamard", id(module)), matrix, is_hadamard)
 
 
-def _identity(head_dim, device):
-    """The identity rotation: dequantize then returns keys in the rotated domain, as vLLM's kernel does."""
-    key = ("identity", head_dim, device)
-    if key not in _constants:
-        _constants[key] = torch.eye(head_dim, dtype=torch.float32, device=device)
-    return _constants[key]
-
-
 # --- decode ------------------------------------------------------------------------------------
 def _check_rank(fn, name, tensor, ndim, shape):
     if not isinstance(tensor, torch.Tensor) or tensor.dim() != ndim:
@@ -587,8 +579,8 @@ def _full_dequant(fn, grid, kv_cache, block_table, centroids, k_out, v_out, k_st
     if positions <= 0 or batch == 0:
         return
     seq_lens = torch.full((batch,), positions, dtype=torch.int32, device=kv_cache.device)
-    codebook = {} if key_fp8 else {"rotation": _identity(head_dim, kv_cache.device),
-                                   "centroids": _centroids(fn, module, centroids)}
+    # Keys in the rotated domain, as vLLM's kernel returns them (its caller multiplies by the rotation).
+    codebook = {} if key_fp8 else {"rotated_keys": True, "centroids": _centroids(fn, module, centroids)}
     try:
         keys, values = module.dequantize(kv_cache, block_table[:batch], seq_lens, max_len=positions,
                                          dtype=torch.float16, validate=False, **codebook)
