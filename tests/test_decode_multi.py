@@ -470,3 +470,101 @@ def test_decode_multi_captured_in_a_cuda_graph_replays_for_new_batch_contents(bu
         expected = reference.decode_multi(Layout.from_config(config), query, cache, block_table, seq_lens,
                                           kwargs.get("rotation"), kwargs.get("centroids"))
         assert relative_error(out, expected) < DECODE_TOLERANCE[torch.float32]
+
+
+# --- decode_ragged: vLLM's ragged batches (query_start_loc) ------------------------------------------------------
+def ragged_reference(config, query, cache, block_table, seq_lens, q_lens, kwargs):
+    """One float64 single-token decode per query token on its sequence cut to that token's limit."""
+    layout, rows, start = Layout.from_config(config), [], 0
+    for b, q_len in enumerate(q_lens):
+        for j in range(q_len):
+            limit = torch.tensor([int(seq_lens[b]) - q_len + 1 + j], dtype=torch.int32, device=seq_lens.device)
+            rows.append(reference.decode(layout, query[start + j][None], cache, block_table[b:b + 1], limit,
+                                         kwargs.get("rotation"), kwargs.get("centroids"))[0])
+        start += q_len
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("preset,layout", [("k3v4", "planes"), ("k8v4", "slots")])
+def test_decode_ragged_matches_one_decode_per_token(device, build_module, preset, layout):
+    """q_lens 3, 1, 0 and 4 (max_query_len 4): limits at 1 (seq_len = q_len), below a page boundary and past
+    splits; the sequence without query tokens takes no rows."""
+    config = make_config(preset, cache_layout=layout)
+    module = build_module(config)
+    q_lens, seq_lens = [3, 1, 0, 4], [3, 15, 9, 66]
+    batch, cache = stored_cache(module, config, seq_lens, device, 2, 0)
+    kwargs = codebook_kwargs(module, config, device)
+    generator = torch.Generator().manual_seed(7)
+    query = torch.randn(sum(q_lens), 8, config.head_dim, generator=generator).to(device)
+    starts = torch.tensor([0, 3, 4, 4, 8], dtype=torch.int32, device=device)
+    out = module.decode_ragged(query, cache, batch.block_table, batch.seq_lens, starts, 4, num_splits=3, **kwargs)
+    want = ragged_reference(config, query, cache, batch.block_table, batch.seq_lens, q_lens, kwargs)
+    assert out.shape == query.shape and torch.isfinite(out).all()
+    assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
+
+
+def test_decode_ragged_with_equal_q_lens_is_decode_multi_bit_for_bit(device, build_module):
+    config = make_config("k3v4", cache_layout="planes")
+    module = build_module(config)
+    batch, cache, query, kwargs = multi_inputs(module, config, [2, 30], device, 2)
+    multi = module.decode_multi(query, cache, batch.block_table, batch.seq_lens, num_splits=2, **kwargs)
+    starts = torch.tensor([0, 2, 4], dtype=torch.int64, device=device)
+    out = torch.full((4, 8, 128), float("nan"), device=device)
+    ragged = module.decode_ragged(query.reshape(4, 8, 128), cache, batch.block_table, batch.seq_lens, starts, 2,
+                                  out=out, num_splits=2, **kwargs)
+    assert ragged is out and torch.equal(out, multi.reshape(4, 8, 128))
+
+
+@pytest.mark.parametrize("starts,max_query_len,named", [
+    ([0, 2, 5], 2, "each must be 0 to max_query_len 2"), ([1, 2, 5], 4, "must run from 0 to num_tokens 5"),
+    ([0, 6, 5], 8, "each must be 0 to max_query_len 8"), ([0, 2, 5], 9, "max_query_len must be an int from 1 to 8"),
+    ([0, 1, 5], 4, "seq_lens\\[0\\] is shorter"),
+])
+def test_decode_ragged_refuses_bad_query_start_loc_in_one_line(device, build_module, starts, max_query_len, named):
+    config = make_config("k8v4", cache_layout="planes")
+    module = build_module(config)
+    batch, cache = stored_cache(module, config, [0, 20], device, 2, 0)
+    query = torch.zeros(5, 8, 128, device=device)
+    with pytest.raises(module.LaunchError, match=named):
+        module.decode_ragged(query, cache, batch.block_table, batch.seq_lens,
+                             torch.tensor(starts, dtype=torch.int32, device=device), max_query_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("preset,layout", [("k3v4", "planes"), ("k4v4", "slots")])
+def test_decode_ragged_captured_in_a_cuda_graph_replays_for_new_q_lens(build_module, preset, layout):
+    """The capture holds no host read: each replay takes new query_start_loc, seq_lens and query contents."""
+    config = make_config(preset, cache_layout=layout)
+    module = build_module(config)
+    kwargs = codebook_kwargs(module, config, "cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    num_blocks, max_blocks, batch, max_q, tokens, heads = 64, 8, 4, 4, 10, 8
+    cache = module.make_cache(num_blocks, 2, "cuda")
+    module.store(torch.randn(num_blocks * 16, 2, 128, device="cuda", generator=generator),
+                 torch.randn(num_blocks * 16, 2, 128, device="cuda", generator=generator),
+                 cache, torch.arange(num_blocks * 16, device="cuda"), **kwargs)
+    query = torch.empty(tokens, heads, 128, device="cuda")
+    starts = torch.empty(batch + 1, dtype=torch.int32, device="cuda")
+    block_table = torch.empty(batch, max_blocks, dtype=torch.int32, device="cuda")
+    seq_lens = torch.empty(batch, dtype=torch.int32, device="cuda")
+    out = torch.empty(tokens, heads, 128, device="cuda")
+    workspace = module.DecodeWorkspace(batch, heads, 16, "cuda", max_q_len=max_q)
+    q_lens_of = {1: [4, 1, 2, 3], 2: [1, 4, 4, 1], 3: [0, 4, 3, 3], 4: [2, 2, 2, 4]}  # 10 tokens each
+
+    def fill(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        query.copy_(torch.randn(tokens, heads, 128, device="cuda", generator=g))
+        starts.copy_(torch.tensor([0] + q_lens_of[seed], device="cuda").cumsum(0))
+        block_table.copy_(torch.randperm(num_blocks, device="cuda", generator=g)[: batch * max_blocks]
+                          .view(batch, max_blocks).int())
+        seq_lens.copy_(torch.randint(max_q, max_blocks * 16 + 1, (batch,), device="cuda", generator=g))
+
+    def run():
+        module.decode_ragged(query, cache, block_table, seq_lens, starts, max_q, out=out, workspace=workspace,
+                             num_splits=16, **kwargs)
+
+    for seed in replays_of_a_capture(run, fill, out, seeds=(2, 3, 4)):
+        want = ragged_reference(config, query, cache, block_table, seq_lens, q_lens_of[seed], kwargs)
+        assert torch.isfinite(out).all()
+        assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
