@@ -20,7 +20,7 @@ from tqgen import reference
 from tqgen.layout import Layout
 from tqgen.testing import DECODE_TOLERANCE, DEQUANT_TOLERANCE, paged_batch, relative_error
 
-LAUNCHERS = ("store", "decode", "dequantize")
+LAUNCHERS = ("store", "decode", "decode_multi", "decode_ragged", "dequantize")
 KV_HEADS, GROUP = 2, 4
 
 
