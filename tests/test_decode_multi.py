@@ -518,7 +518,8 @@ def test_decode_ragged_with_equal_q_lens_is_decode_multi_bit_for_bit(device, bui
 @pytest.mark.parametrize("starts,max_query_len,named", [
     ([0, 2, 5], 2, "each must be 0 to max_query_len 2"), ([1, 2, 5], 4, "must run from 0 to num_tokens 5"),
     ([0, 6, 5], 8, "each must be 0 to max_query_len 8"), ([0, 2, 5], 9, "max_query_len must be an int from 1 to 8"),
-    ([0, 1, 5], 4, "seq_lens\\[0\\] is shorter"),
+    ([0, 1, 5], 4, "seq_lens\\[0\\] is shorter"), ([0], 4, "must have batch \\+ 1 entries for 5 query tokens"),
+    ([0, 2, 5], True, "max_query_len must be an int"),
 ])
 def test_decode_ragged_refuses_bad_query_start_loc_in_one_line(device, build_module, starts, max_query_len, named):
     config = make_config("k8v4", cache_layout="planes")

@@ -531,7 +531,7 @@ def test_in_the_interpreter_the_store_keeps_one_kernel(build_module, monkeypatch
     tq_store writes keys and values, KEYS=True."""
     config = make_config("k3v4", cache_layout="planes")
     module = build_module(config)
-    assert module.STORE_KEYS_MMA is True  # on unless TQGEN_STORE_KEYS_MMA=0
+    monkeypatch.setattr(module, "STORE_KEYS_MMA", True)  # the default (TQGEN_STORE_KEYS_MMA unset)
     monkeypatch.setattr(module, "STORE_MMA_MIN_TOKENS", 1)
     store = KernelRecorder(module.tq_store)
     monkeypatch.setattr(module, "tq_store", store)

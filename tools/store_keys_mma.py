@@ -1,5 +1,5 @@
-"""EXPERIMENT: the planes store's 3-bit key codes and norms on the tensor cores, in Gluon (its keys-only form is
-templates/store/keys_mma.py.jinja, tq_store_keys_mma, off unless TQGEN_STORE_KEYS_MMA=1).
+"""EXPERIMENT: the planes store's 3-bit key codes and norms on the tensor cores, in Gluon (its keys-only form, for 3-
+and 4-bit codes, is templates/store/keys_mma.py.jinja, tq_store_keys_mma, on for stores of 4096+ tokens).
 
     python3 tools/store_keys_mma.py --compile          # no GPU: registers and SASS of each variant (sm90)
     python3 tools/store_keys_mma.py [CONFIG] [--tokens 65536]   # GPU: checked against tq_store, then timed

@@ -6,6 +6,8 @@ Quantizes `--tokens` fp16 (key, value) pairs of 8 KV heads into shuffled slots, 
 does, for every (tokens per program, warps) pair: a CUDA-graph replay, median, with the percentage of a
 4268 GB/s copy ceiling (bytes: fp16 read + slots written; pass --ceiling to use another). A slots config is
 timed on `make_cache`'s head-major allocation (vLLM's) and on a position-major cache of the same shape.
+Where the store writes its keys by tq_store_keys_mma (planes MSE, 4096+ tokens) the swept launch is that of
+tq_store's value pass (the module's _STORE_VALUES_LAUNCH); TQGEN_STORE_KEYS_MMA=0 sweeps tq_store alone.
 """
 
 import argparse

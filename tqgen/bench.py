@@ -250,8 +250,8 @@ def bench_dequantize(module: ModuleType, config: Config, batch: int, context: in
                      num_kv_heads: int = 8, device="cuda") -> OpRow:
     """Dense fp16 K and V of full-length sequences; bytes = slots read + fp16 written.
 
-    MSE keys also make an fp32 round trip for their un-rotation GEMMs; that traffic is
-    not counted, so the percentage is of the useful bytes.
+    MSE keys under a rotation other than the config's Hadamard matrix also make an fp32 round trip for
+    their un-rotation GEMMs; that traffic is not counted, so the percentage is of the useful bytes.
     """
     import triton
 

@@ -277,7 +277,7 @@ def _config(fn, device, head_dim, block_size, key_fp8, mse_bits, key_packed_size
 # derived)}, kept while the source lives. No size bound: an engine holds a codebook tensor or two per layer and
 # calls in a fixed order, so a bounded cache shorter than that cycle would miss on every call.
 _derived = torch.utils.weak.WeakIdKeyDictionary()
-# Per module and device: the identity rotation, an empty decode workspace to copy.
+# Per module and device: an empty decode workspace to copy.
 _constants: dict = {}
 
 
