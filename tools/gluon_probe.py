@@ -1,11 +1,17 @@
-"""Can Gluon express the MMA shapes a hand-laid-out decode would use? Compiled offline for sm90.
+"""Can Gluon express the shapes a hand-laid-out decode would use? Compiled offline for sm90.
 
     python3 tools/gluon_probe.py
 
-Compiles Sᵀ = K Qᵀ for a 64-token tile (M = 64 tokens, K = 128 head dims, N = 8 padded
-heads) with `mma_v2`, operands loaded straight into their dot-operand layouts, and
-counts the m16n8k16 MMAs and shared-memory stores in the PTX. No GPU needed; the
-result follows the local triton version (see BENCHMARKS.md, "The larger step").
+1. Sᵀ = K Qᵀ for a 64-token tile (M = 64 tokens, K = 128 head dims, N = 8 padded heads) with `mma_v2`,
+   operands loaded straight into their dot-operand layouts: the m16n8k16 MMAs and shared-memory stores
+   in the PTX.
+2. One-warp programs side by side in one CTA (docs/limits.md, "Small batches"): `gl.warp_specialize` with
+   four one-warp worker partitions, each an `mma_v2` tile in the one-warp layouts of the decode kernels,
+   leaving its result in shared memory and arriving on an mbarrier, and the default partition (which must
+   be a multiple of 4 warps) merging the four after the region. Triton 3.6 and 3.9 compile it (8 warps a
+   CTA, setmaxnreg per partition). Compiled only: nothing here has run on a GPU.
+
+No GPU needed; the result follows the local triton version.
 """
 
 import triton
@@ -14,6 +20,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+_MMA_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=2))
+_MMA_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=2))
+_MERGE = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0]))  # the default partition's 4 warps
+_SLOTS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
 
 @gluon.jit
@@ -33,6 +46,45 @@ def scores_transposed(key_ptr, query_ptr, out_ptr, TOKENS: gl.constexpr, HEADS: 
     gl.store(out_ptr + rows[:, None] * HEADS + cols[None, :], scores_t)
 
 
+@gluon.jit
+def _partition_tile(key_ptr, query_ptr, partials, done, PART: gl.constexpr):
+    """Worker PART (one warp): softmax numerators of its 16 keys' scores [16, 8], into slot PART."""
+    tokens = PART * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, _MMA_A))
+    dims = gl.arange(0, 128, layout=gl.SliceLayout(0, _MMA_A))
+    keys = gl.load(key_ptr + gl.program_id(0) * 64 * 128 + tokens[:, None] * 128 + dims[None, :])
+    query_dims = gl.arange(0, 128, layout=gl.SliceLayout(1, _MMA_B))
+    heads = gl.arange(0, 8, layout=gl.SliceLayout(0, _MMA_B))
+    query = gl.load(query_ptr + heads[None, :] * 128 + query_dims[:, None])
+    scores = mma_v2(keys, query, gl.zeros([16, 8], gl.float32, layout=_MMA))
+    partials.index(PART).store(gl.exp2(scores - gl.max(scores, axis=0)[None, :]))
+    mbarrier.arrive(done, count=1)
+
+
+@gluon.jit
+def _partition_idle():
+    pass
+
+
+@gluon.jit
+def partitions_merged(key_ptr, query_ptr, out_ptr):
+    partials = gl.allocate_shared_memory(gl.float32, [4, 16, 8], _SLOTS)
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(done, count=4)
+    gl.warp_specialize([(_partition_idle, ()),
+                        (_partition_tile, (key_ptr, query_ptr, partials, done, 0)),
+                        (_partition_tile, (key_ptr, query_ptr, partials, done, 1)),
+                        (_partition_tile, (key_ptr, query_ptr, partials, done, 2)),
+                        (_partition_tile, (key_ptr, query_ptr, partials, done, 3))],
+                       [1, 1, 1, 1], [128, 128, 128, 128])
+    mbarrier.wait(done, 0)
+    merged = partials.index(0).load(_MERGE) + partials.index(1).load(_MERGE) + partials.index(2).load(_MERGE) \
+        + partials.index(3).load(_MERGE)
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, _MERGE))
+    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, _MERGE))
+    gl.store(out_ptr + gl.program_id(0) * 128 + rows[:, None] * 8 + cols[None, :], merged)
+    mbarrier.invalidate(done)
+
+
 def main() -> None:
     signature = {"key_ptr": "*fp16", "query_ptr": "*fp16", "out_ptr": "*fp32",
                  "TOKENS": "constexpr", "HEADS": "constexpr", "DIM": "constexpr"}
@@ -41,6 +93,12 @@ def main() -> None:
     shapes = sorted({line.split()[0] for line in ptx.splitlines() if "mma.sync" in line})
     print(f"triton {triton.__version__}: {ptx.count('mma.sync')} MMAs {shapes}, "
           f"{ptx.count('st.shared')} shared-memory stores")
+    signature = {"key_ptr": "*fp16", "query_ptr": "*fp16", "out_ptr": "*fp32"}
+    compiled = triton.compile(GluonASTSource(partitions_merged, signature, {}), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4))
+    ptx = compiled.asm["ptx"]
+    print(f"warp_specialize, four one-warp MMA partitions: {compiled.metadata.num_warps} warps, "
+          f"{ptx.count('mma.sync')} mma.sync and {ptx.count('setmaxnreg')} setmaxnreg lines in the PTX")
 
 
 if __name__ == "__main__":
