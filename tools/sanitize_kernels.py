@@ -5,7 +5,10 @@
 Ragged batches end mid-page, the block table has unused columns, and the
 cache has unused blocks, so any read past a sequence's tokens or write outside
 the given slots shows up as an error; racecheck sees the Gluon stage 1's shared-memory ring (planes, and
-slots with fp8 keys).
+slots with fp8 keys). Besides store, decode and dequantize as an engine calls them: the tensor-core key store
+(its token threshold lowered on the module so this small ragged batch takes it), decode_multi at 3 tokens a
+sequence (validate=False: the sequences of 0 and 1 tokens give zeros for the tokens that see nothing),
+decode_ragged, and dequantize of rotated keys.
 """
 
 import sys
@@ -28,6 +31,9 @@ for path in paths:
                         generator=torch.Generator().manual_seed(0))
     cache = module.make_cache(batch.num_blocks, 4, "cuda")
     module.store(batch.key, batch.value, cache, batch.slot_mapping, **kwargs)
+    if hasattr(module, "tq_store_keys_mma"):  # the same slots again, keys on the tensor cores
+        module.STORE_MMA_MIN_TOKENS = 1
+        module.store(batch.key, batch.value, cache, batch.slot_mapping, **kwargs)
     query = torch.randn(5, 12, config.head_dim, device="cuda", dtype=torch.float16)  # group size 3
     for num_splits in (1, 4):
         module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=num_splits, **kwargs)
@@ -43,6 +49,15 @@ for path in paths:
         for block_kv, stages in ring:
             module.decode(query, ring_cache, batch.block_table, batch.seq_lens, num_splits=3, block_kv=block_kv,
                           num_warps=1, num_stages=stages, **kwargs)
+    multi_query = torch.randn(5, 3, 12, config.head_dim, device="cuda", dtype=torch.float16)
+    module.decode_multi(multi_query, cache, batch.block_table, batch.seq_lens, validate=False, **kwargs)
+    # Ragged: sequences of 1, 3, 2, 3 and 0 query tokens (the last sequence has none, like its cache).
+    starts = torch.tensor([0, 1, 4, 6, 9, 9], dtype=torch.int32, device="cuda")
+    module.decode_ragged(multi_query.flatten(0, 1)[:9], cache, batch.block_table, batch.seq_lens, starts, 3,
+                         validate=False, **kwargs)
     module.dequantize(cache, batch.block_table, batch.seq_lens, **kwargs)
+    if config.key_format != "fp8":
+        module.dequantize(cache, batch.block_table, batch.seq_lens, rotated_keys=True, **kwargs)
     torch.cuda.synchronize()
-    print(f"{path}: store, decode (1 and 4 splits{', the ring' if ring else ''}), dequantize ran", flush=True)
+    print(f"{path}: store{' (both key kernels)' if hasattr(module, 'tq_store_keys_mma') else ''}, decode (1 and 4 "
+          f"splits{', the ring' if ring else ''}), decode_multi, decode_ragged, dequantize ran", flush=True)
