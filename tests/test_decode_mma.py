@@ -873,7 +873,7 @@ def test_mma_decode_replays_in_a_cuda_graph(build_module, monkeypatch, preset, n
 def test_stage1_variants_render_only_when_asked_and_only_for_the_gluon_kernel_with_mse_keys():
     config = make_config("k3v4", cache_layout="planes", arch="sm90")
     assert render.render(config) == render.render(config, stage1_variant="shipped")
-    for variant in ("load_only", "compute_only", "pair_table", "extra_alu", "extra_fma"):
+    for variant in ("load_only", "compute_only", "pair_table", "extra_alu", "extra_fma", "split_warps2"):
         source = render.render(config, stage1_variant=variant)
         assert "EXPERIMENT" in source and source != render.render(config)
     with pytest.raises(ValueError, match="split 3-bit keys only"):
@@ -884,6 +884,9 @@ def test_stage1_variants_render_only_when_asked_and_only_for_the_gluon_kernel_wi
             render.render(refused, stage1_variant="load_only")
     with pytest.raises(ValueError, match="expected one of shipped, load_only, compute_only"):
         render.render(config, stage1_variant="no_such")
+    with pytest.raises(ValueError, match="where stage 1 may rotate the query"):
+        render.render(make_config("k3v4", cache_layout="planes", arch="sm90", rotation="random"),
+                      stage1_variant="split_warps2")
 
 
 _VARIANT_SCRIPT = """
@@ -892,11 +895,16 @@ sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
 import ptx_probe, stage1_variants
 from tqgen import config as config_mod
 config = config_mod.resolve_arch(config_mod.load("configs/k3v3-d128-planes.yaml"), (9, 0))
-for variant, module in stage1_variants.variant_modules(config, tempfile.mkdtemp()):
-    ptx = ptx_probe.compile_stage1_mma(module, 32).asm["ptx"]
-    print(json.dumps(dict(variant=variant, mma=ptx.count("mma.sync.aligned"), loads=ptx.count("ld.global"),
-                          table_loads=ptx.count("ld.shared.b32 "), permutes=ptx.count("prmt.b32"),
-                          logic=ptx.count("lop3.b32"), fma=ptx.count("fma.rn.f32"))))
+variants = [v for v in stage1_variants.STAGE1_VARIANTS if v not in ("split_warps1", "split_warps4")]  # CI time
+for variant, module in stage1_variants.variant_modules(config, tempfile.mkdtemp(), variants):
+    ptx = ptx_probe.compile_stage1_mma(module, 32, rotate_query=variant.startswith("split_warps")).asm["ptx"]
+    rows = [(variant, ptx)]
+    if variant == "shipped":
+        rows.append(("shipped_rotating", ptx_probe.compile_stage1_mma(module, 32, rotate_query=True).asm["ptx"]))
+    for name, text in rows:
+        print(json.dumps(dict(variant=name, mma=text.count("mma.sync.aligned"), loads=text.count("ld.global"),
+                              table_loads=text.count("ld.shared.b32 "), permutes=text.count("prmt.b32"),
+                              logic=text.count("lop3.b32"), fma=text.count("fma.rn.f32"))))
 """
 
 
@@ -904,7 +912,8 @@ def test_stage1_variants_compile_and_keep_what_they_claim():
     """load_only keeps every load of the shipped loop and no MMA; compute_only every MMA and only the loads
     before the loop; pair_table the MMAs and loads, with one shared-memory table read per pair of key codes (64 a
     32-token tile) in place of the key lookups' byte permutes (offline sm90 compiles, in a process without the
-    interpreter)."""
+    interpreter). split_warps2 holds two whole copies of the kernel's body (one per worker partition: the code
+    size that made 4 workers slow, docs/limits.md) and the merge loads nothing."""
     environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     result = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT], cwd=REPO, env=environment, capture_output=True,
@@ -926,6 +935,10 @@ def test_stage1_variants_compile_and_keep_what_they_claim():
         assert report[variant][kind] == report["shipped"][kind] + added
         assert {key: report[variant][key] for key in ("mma", "loads", "permutes", other)} == {
             key: report["shipped"][key] for key in ("mma", "loads", "permutes", other)}
+    # split_warps2 against the shipped kernel compiled alike (it rotates the query in stage 1).
+    rotating = report["shipped_rotating"]
+    assert {key: report["split_warps2"][key] for key in ("mma", "loads")} == {
+        key: 2 * rotating[key] for key in ("mma", "loads")}
 
 
 def test_pipe_rates_kernels_issue_what_they_are_named_for():

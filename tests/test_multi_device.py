@@ -226,7 +226,8 @@ def test_per_device_caches_are_keyed_by_the_device_index(build_module, monkeypat
     module._check_device("decode", gpu0)  # device 0's answer is still its own
     assert module.decode_launch(batch, KV_HEADS, group, context, gpu0) == tuned
     assert module._sm_count(gpu0) == 132 and module._dependent_launch(gpu0)
-    assert {device for _, device in module._per_device} == {"cuda:0", "cuda:1"}
+    # Keyed by "cuda:<index>", and by the indexed torch.device objects the calls passed: never by "cuda".
+    assert {str(device) for _, device in module._per_device} == {"cuda:0", "cuda:1"}
 
 
 def test_cached_answers_for_cuda_are_the_current_device_s(build_module, monkeypatch):

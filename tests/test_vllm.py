@@ -372,6 +372,39 @@ def test_decode_workspace_is_carved_out_of_mid_o_buf(num_splits, max_splits):
     assert workspace.query.data_ptr() % 16 == 0
 
 
+@pytest.mark.skipif(not INTERPRET, reason="a CPU test")
+def test_decode_views_of_vllms_buffers_are_built_once_per_buffer_and_shape(monkeypatch):
+    """The workspace and output views of a buffer are reused by later calls of the same shape (no views built on
+    the hot path), rebuilt for another shape, and dropped (with the reference to the buffer) when another buffer
+    object comes: nothing of a freed buffer is written or kept."""
+    monkeypatch.setattr(vllm, "_buffer_views", {})
+    module = vllm._module("test", torch.device("cpu"), 128, 16, False, 4, 66, 4, True)
+    cpu = torch.device("cpu")
+    mid_o_buf, output_buf = torch.empty(4, 8, 4, 129), torch.empty(4, 8, 128, dtype=torch.float16)
+
+    def workspace(buffer, batch):
+        return vllm._decode_workspace(module, buffer, None, batch, 8, 128, 3, 4, cpu, needs_query=True)
+
+    def output(buffer, batch):
+        return vllm._decode_output(buffer, None, batch, 8, 128, torch.float16, cpu)
+
+    first, first_out = workspace(mid_o_buf, 3), output(output_buf, 3)
+    assert workspace(mid_o_buf, 3) is first and output(output_buf, 3) is first_out
+    other = workspace(mid_o_buf, 2)
+    assert other is not first and other.partial_out.shape == (2, 8, 3, 128)
+    assert other.partial_out.data_ptr() == first.partial_out.data_ptr() == mid_o_buf.data_ptr()
+    assert output(output_buf, 2).shape == (2, 8, 128)
+    new_mid, new_out = torch.empty_like(mid_o_buf), torch.empty_like(output_buf)
+    fresh, fresh_out = workspace(new_mid, 3), output(new_out, 3)
+    assert fresh.partial_out.data_ptr() == new_mid.data_ptr() and fresh_out.data_ptr() == new_out.data_ptr()
+    assert vllm._buffer_views["workspace"][0] is new_mid and vllm._buffer_views["output"][0] is new_out
+    assert all(view is not first for view in vllm._buffer_views["workspace"][1].values())
+    # A buffer too small for the call is not used, and nothing is held for it.
+    small = torch.empty(1, 8, 4, 129)
+    assert workspace(small, 3).partial_out.data_ptr() != small.data_ptr()
+    assert vllm._buffer_views["workspace"][0] is new_mid
+
+
 # vLLM launches the qgroup4 variant for MSE keys only.
 DEQUANTIZE_LAUNCHES = [("_tq_full_dequant_kv", "turboquant_4bit_nc"), ("_tq_full_dequant_kv", "turboquant_k8v4"),
                        ("_tq_full_dequant_kv_qgroup4", "turboquant_k3v4_nc")]

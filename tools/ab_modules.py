@@ -53,7 +53,6 @@ def main() -> None:
     for shape in args.shapes:
         batch, context = (int(part) for part in shape.split("x"))
         problem = testing.random_problem(first, config, batch, context, args.q_heads, 8, "cuda")
-        codebook = testing.codebook_kwargs(first, "cuda")
         group = args.q_heads // 8
         if args.launches:
             launches = [dict(zip(("block_kv", "num_stages", "num_splits"), map(int, text.split(":"))), num_warps=1)
@@ -68,7 +67,11 @@ def main() -> None:
             for _, module in modules:
                 out = torch.empty_like(problem["query"])
 
-                def call(module=module, out=out):
+                # Each module's own codebook tensors: a planes MSE module rotates the query in stage 1 only with its
+                # own default rotation (the very tensor), and takes another module's for a caller's matrix.
+                codebook = testing.codebook_kwargs(module, "cuda")
+
+                def call(module=module, out=out, codebook=codebook):
                     module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"],
                                   out=out, workspace=workspace, validate=False, **launch, **rotation, **codebook)
                 call()

@@ -15,7 +15,10 @@ plan.STAGE1_VARIANTS), not by editing rendered text:
                 chains), all lop3 (the integer pipe) or all fp32 fma (the FMA pipes): the same count either way, so
                 the two times say which pipe the kernel's time follows, and each against shipped what one more
                 instruction per tile costs;
-- pair_table, pair_table16 (split 3-bit keys): the key lookups from a table of fp16 pairs in shared memory.
+- pair_table, pair_table16 (split 3-bit keys): the key lookups from a table of fp16 pairs in shared memory;
+- split_warps1, split_warps2, split_warps4 (right results): the kernel's body as 1, 2 or 4 one-warp workers a CTA
+                (gl.warp_specialize) on consecutive splits of one (sequence, KV head), their partials merged in
+                shared memory by the CTA's 4 other warps; the launch's split count counts the workers' splits.
 Each is timed as a whole decode call (CUDA-graph replay, the shipped launch of the shape, the same random
 cache), with the copy ceiling measured in the same run: load_only and compute_only with their words loaded
 where used (num_stages 1), the others with the launch's stages; the first column times the shipped launch as
@@ -23,6 +26,8 @@ it is (with the cp.async ring where the tuned or heuristic launch has num_stages
 bounds what the instructions cost; the load-only time what the bytes cost at the occupancy the kernel has; if
 the shipped time is near their sum, loads and compute do not overlap.
 --compile-only compiles each variant offline for sm90 (no GPU) and prints registers and SASS counts.
+--write-modules DIR writes each variant's module, rendered for sm90, as DIR/ARTIFACT_VARIANT.py, for
+tools/ab_modules.py to time at launches of its choice (for the split_warps variants, which change what a launch is).
 """
 
 from __future__ import annotations
@@ -88,7 +93,6 @@ def time_variants(configs, shapes, variants=STAGE1_VARIANTS, block_kv=None) -> N
         shipped = modules[0][1]
         for batch, context in shapes:
             problem = testing.random_problem(shipped, config, batch, context, 32, 8, "cuda")
-            codebook = testing.codebook_kwargs(shipped, "cuda")
             launch = dict(zip(LAUNCH_FIELDS, shipped.decode_launch(batch, 8, 4, context, problem["cache"].device)))
             if block_kv:
                 launch["block_kv"] = block_kv
@@ -99,7 +103,10 @@ def time_variants(configs, shapes, variants=STAGE1_VARIANTS, block_kv=None) -> N
                 (v, m, 1 if v in ONE_STAGE_VARIANTS else launch["num_stages"]) for v, m in modules]
             for variant, module, stages in runs:
                 print(f"  {config.name} {batch} x {context}: {variant}", file=sys.stderr, flush=True)
-                def call(module=module, stages=stages):
+                # Each module's own codebook tensors: stage 1 rotates the query only with its module's own rotation.
+                codebook = testing.codebook_kwargs(module, "cuda")
+
+                def call(module=module, stages=stages, codebook=codebook):
                     module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"],
                                   out=out, workspace=workspace, validate=False, **{**launch, "num_stages": stages},
                                   **codebook)
@@ -125,10 +132,20 @@ def main() -> None:
                         help="which variants to time (shipped is always timed)")
     parser.add_argument("--block-kv", type=int, help="tile size for every run (default: the launch's)")
     parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--write-modules", metavar="DIR", help="write the variants' modules (sm90) and stop")
     args = parser.parse_args()
-    capability = (9, 0) if args.compile_only else None
+    capability = (9, 0) if args.compile_only or args.write_modules else None
     configs = [config_mod.resolve_arch(config_mod.load(path), capability) for path in args.configs]
-    if args.compile_only:
+    if args.write_modules:
+        os.makedirs(args.write_modules, exist_ok=True)
+        variants = ["shipped"] + [v for v in args.variants if v != "shipped"]
+        for config in configs:
+            for variant in variants:
+                path = os.path.join(args.write_modules, f"{config.artifact_name()}_{variant}.py")
+                with open(path, "w") as handle:
+                    handle.write(render.render(config, stage1_variant=variant))
+                print(path)
+    elif args.compile_only:
         compile_only(configs)
     else:
         variants = ["shipped"] + [v for v in args.variants if v != "shipped"]

@@ -413,12 +413,38 @@ def triton_turboquant_decode_attention(query, kv_cache, block_table, seq_lens, P
         _refused_by_module(fn, error)
 
 
+# The views of vLLM's buffers that the last calls took, by buffer: the buffers live as long as the engine, and a view
+# built per call (slices, a DecodeWorkspace) was a sizeable part of a call's host time (tools/host_overhead.py). Only
+# the latest buffer object of each kind is held: a new one replaces the old one's views (and the reference to it).
+_buffer_views: dict = {}  # kind -> (buffer, {call key: view})
+
+
+def _held_view(kind, buffer, key):
+    """The view an earlier call built of this very buffer object for `key`, else None."""
+    held = _buffer_views.get(kind)
+    return held[1].get(key) if held is not None and held[0] is buffer else None
+
+
+def _hold_view(kind, buffer, key, view):
+    """Keep `view` of `buffer` for later calls with `key` (dropping the views of any other buffer of this kind)."""
+    held = _buffer_views.get(kind)
+    if held is None or held[0] is not buffer:
+        held = _buffer_views[kind] = (buffer, {})
+    held[1][key] = view
+    return view
+
+
 def _decode_output(output_buf, buf_holder, batch, num_q_heads, head_dim, dtype, device):
     """output_buf[:batch] where it fits (vLLM's test: enough rows, the query's dtype), else a new tensor."""
+    view_key = (output_buf.data_ptr(), batch, num_q_heads, head_dim, dtype, device) \
+        if isinstance(output_buf, torch.Tensor) else None
+    view = _held_view("output", output_buf, view_key)
+    if view is not None:
+        return view
     if (isinstance(output_buf, torch.Tensor) and output_buf.dim() == 3 and output_buf.dtype == dtype
             and output_buf.device == device and output_buf.shape[0] >= batch and output_buf.shape[1] >= num_q_heads
             and output_buf.shape[2] >= head_dim and output_buf.stride(2) == 1):
-        return output_buf[:batch, :num_q_heads, :head_dim]
+        return _hold_view("output", output_buf, view_key, output_buf[:batch, :num_q_heads, :head_dim])
     out = torch.empty(batch, num_q_heads, head_dim, dtype=dtype, device=device)
     if buf_holder is not None:
         buf_holder._tq_output_buf = out
@@ -430,9 +456,11 @@ def _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_di
     """A DecodeWorkspace over vLLM's mid_o_buf: the partial outputs [B, Hq, splits, D], then the partial
     log-sum-exps [B, Hq, splits] (together B * Hq * splits * (D + 1) floats, what mid_o_buf holds at
     max_splits), then the rotated fp16 query where room is left (16-byte aligned)."""
-    partial_floats = batch * num_q_heads * num_splits * head_dim
-    lse_floats = batch * num_q_heads * num_splits
-    query_start = -(-(partial_floats + lse_floats) // 4) * 4
+    view_key = (id(module), mid_o_buf.data_ptr() if isinstance(mid_o_buf, torch.Tensor) else None, batch,
+                num_q_heads, head_dim, num_splits, max_splits, device, needs_query)
+    workspace = _held_view("workspace", mid_o_buf, view_key)
+    if workspace is not None:
+        return workspace  # this buffer's workspace for this call's shape, built by an earlier call
     fits = (isinstance(mid_o_buf, torch.Tensor) and mid_o_buf.dtype == torch.float32 and mid_o_buf.device == device
             and mid_o_buf.dim() == 4 and mid_o_buf.shape[0] >= batch and mid_o_buf.shape[1] >= num_q_heads
             and mid_o_buf.shape[2] >= max_splits and mid_o_buf.shape[3] == head_dim + 1 and mid_o_buf.is_contiguous())
@@ -440,6 +468,16 @@ def _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_di
         mid_o_buf = torch.empty(batch, num_q_heads, max_splits, head_dim + 1, dtype=torch.float32, device=device)
         if buf_holder is not None:
             buf_holder._tq_mid_o_buf = mid_o_buf
+        return _carve_workspace(module, mid_o_buf, batch, num_q_heads, head_dim, num_splits, device, needs_query)
+    workspace = _carve_workspace(module, mid_o_buf, batch, num_q_heads, head_dim, num_splits, device, needs_query)
+    return _hold_view("workspace", mid_o_buf, view_key, workspace)
+
+
+def _carve_workspace(module, mid_o_buf, batch, num_q_heads, head_dim, num_splits, device, needs_query):
+    """The DecodeWorkspace of one call's shape as views of mid_o_buf (_decode_workspace)."""
+    partial_floats = batch * num_q_heads * num_splits * head_dim
+    lse_floats = batch * num_q_heads * num_splits
+    query_start = -(-(partial_floats + lse_floats) // 4) * 4
     flat = mid_o_buf.view(-1)
     # A copy of an empty workspace of this module (whatever fields its class sets), given vLLM's buffers.
     key = ("workspace", id(module), num_q_heads, device)
