@@ -9,10 +9,12 @@
 # per KV head, or TQGEN_TUNE_GROUPS; about 4.5 minutes a config on the H200: docs/tuning.md), and packs
 # the tuned files written so far into OUT_DIR/tuned.tar after each config (`tar -xf tuned.tar` in the checkout
 # restores them): a call that runs out of time keeps the configs it finished; "multi" times decode_multi
-# at q_len 1-8 against decode, tools/bench_decode_multi.py, before the benchmark). TQGEN_SANITIZE_CONFIGS
+# at q_len 1-8 against decode, tools/bench_decode_multi.py, before the benchmark; "host" the host time of eager
+# decode calls, tools/host_overhead.py, into host.log). TQGEN_SANITIZE_CONFIGS
 # limits the sanitizers to some configs (default every shipped one, 8 sanitizer processes at a time).
-# OUT_DIR gets at most 8 files with every step (the device tool returns no more than 8 from $OUT): pytest-gpu.log,
-# tune.log, tuned.tar, sanitize.log (memcheck then racecheck), multi.log, bench.log, bench.json, bench.png.
+# OUT_DIR gets these files, by step (the device tool returns no more than 8 from $OUT: every step at once writes 9):
+# pytest-gpu.log, tune.log, tuned.tar, sanitize.log (memcheck then racecheck), multi.log, host.log, bench.log,
+# bench.json, bench.png.
 set -u
 out=${1:-${OUT:-/tmp/tqgen-gpu}}
 steps=${TQGEN_GPU_STEPS:-tests sanitize bench}
@@ -63,6 +65,10 @@ if [[ $steps == *multi* ]]; then
     python3 tools/bench_decode_multi.py configs/k8v4-d128-planes.yaml configs/k4v4-d128-planes.yaml \
         configs/k3v4-d128-planes.yaml configs/k3v3-d128-planes.yaml > "$out/multi.log" 2>&1
     rc=$?; grep '^|' "$out/multi.log"; echo "decode_multi bench exit code: $rc"; (( rc )) && status=1
+fi
+if [[ $steps == *host* ]]; then
+    python3 tools/host_overhead.py --shapes 1x4096 8x4096 > "$out/host.log" 2>&1
+    rc=$?; grep '^|' "$out/host.log"; echo "host overhead exit code: $rc"; (( rc )) && status=1
 fi
 if [[ $steps == *bench* ]]; then
     bench_args=${TQGEN_BENCH_ARGS:-}
