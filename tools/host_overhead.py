@@ -90,8 +90,7 @@ def main() -> None:
     import triton
 
     import tqgen
-    from tqgen import emit, testing, vllm
-    from tqgen.bench import VLLM_MAX_KV_SPLITS
+    from tqgen import bench, emit, testing, vllm
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"32 query / 8 KV heads; {args.calls} calls")
@@ -99,16 +98,10 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for shape in args.shapes:
         batch, context = (int(part) for part in shape.split("x"))
-        query = torch.randn(batch, 32, 128, dtype=torch.float16, device="cuda")
-        keys = torch.randn(batch, 8, context, 128, dtype=torch.float16, device="cuda")
-        values = torch.randn_like(keys)
-
-        def sdpa():
-            torch.nn.functional.scaled_dot_product_attention(query[:, :, None], keys, values, enable_gqa=True)
-
+        sdpa = bench.sdpa_call(torch.randn(batch, 32, 128, dtype=torch.float16, device="cuda"), 8, context)
         print(f"| fp16 SDPA | {shape} | " + " | ".join(f"{v:.1f}" for v in host_costs(sdpa, args.calls)) + " |",
               flush=True)
-        del keys, values
+        del sdpa
         for path in args.configs:
             config = emit.as_config(path)
             module = tqgen.load(config)
@@ -126,22 +119,7 @@ def main() -> None:
                   + " | ".join(f"{v:.1f}" for v in host_costs(decode, args.calls)) + " |", flush=True)
             if args.profile and shape == args.shapes[0]:
                 profiles.append((f"{config.name} decode {shape}", decode))
-            if config.head_dim != 128:
-                continue
-            arguments = vllm.format_arguments(config.key_bits, config.value_bits, config.norm_correction,
-                                              config.head_dim)
-            slot = module.SLOT_BYTES
-            head_major = (cache.view(cache.shape[0], 8, config.block_size, slot).transpose(1, 2)
-                          if config.cache_layout == "planes" else cache)
-            rotation = codebook.get("rotation")
-            pi = rotation.t().contiguous() if rotation is not None else None
-            buffers = dict(mid_o_buf=torch.empty(batch, 32, VLLM_MAX_KV_SPLITS, 129, device="cuda"),
-                           output_buf=torch.empty_like(query), lse_buf=torch.empty(batch, 32, device="cuda"))
-
-            def vllm_decode():
-                vllm.triton_turboquant_decode_attention(query, head_major, table, lens, pi, codebook.get("centroids"),
-                                                        128 ** -0.5, PiT=rotation, **buffers, **arguments)
-
+            vllm_decode = bench.vllm_decode_call(module, config, problem)
             with vllm.cache_layout_for(config.cache_layout):
                 costs = host_costs(vllm_decode, args.calls)
                 if args.profile and shape == args.shapes[0]:

@@ -147,15 +147,20 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
     )
 
 
-def _sdpa_ms(query: torch.Tensor, num_kv_heads: int, context: int) -> float:
-    """torch SDPA decode of the query over a dense fp16 cache of `context` tokens, graph replay."""
-    import triton
-
+def sdpa_call(query: torch.Tensor, num_kv_heads: int, context: int):
+    """A call of torch SDPA decode of the query over a dense fp16 cache of `context` tokens (the baseline)."""
     batch, _, head_dim = query.shape
     keys = torch.randn(batch, num_kv_heads, context, head_dim, dtype=torch.float16, device=query.device)
     values = torch.randn_like(keys)
     q4 = query.unsqueeze(2)
-    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q4, keys, values, enable_gqa=True)  # noqa: E731
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q4, keys, values, enable_gqa=True)
+
+
+def _sdpa_ms(query: torch.Tensor, num_kv_heads: int, context: int) -> float:
+    """sdpa_call's time, graph replay."""
+    import triton
+
+    sdpa = sdpa_call(query, num_kv_heads, context)
     sdpa()
     return triton.testing.do_bench_cudagraph(sdpa, return_mode="median")
 
@@ -171,25 +176,11 @@ def bench_vllm_decode(module: ModuleType, config: Config, batch: int, context: i
 
     from . import vllm
 
-    arguments = vllm.format_arguments(config.key_bits, config.value_bits, config.norm_correction, config.head_dim)
     problem = random_problem(module, config, batch, context, num_q_heads, num_kv_heads, device)
     cache, block_table, seq_lens, query = (problem[k] for k in ("cache", "block_table", "seq_lens", "query"))
     slot_bytes = module.SLOT_BYTES
-    if config.cache_layout == "planes":  # the pages [num_blocks, Hk, block_size * slot] are the allocation
-        head_major = cache.view(cache.shape[0], num_kv_heads, config.block_size, slot_bytes).transpose(1, 2)
-    else:
-        head_major = cache  # random_problem lays a slots cache out as make_cache does: head-major
     codebook = codebook_kwargs(module, device)
-    rotation = codebook.get("rotation")
-    pi = rotation.t().contiguous() if rotation is not None else None  # vLLM's PiT is tqgen's rotation
-    buffers = dict(mid_o_buf=torch.empty(batch, num_q_heads, max_num_kv_splits, config.head_dim + 1, device=device),
-                   output_buf=torch.empty_like(query), lse_buf=torch.empty(batch, num_q_heads, device=device))
-
-    def call():
-        vllm.triton_turboquant_decode_attention(query, head_major, block_table, seq_lens, pi,
-                                                codebook.get("centroids"), config.head_dim**-0.5, PiT=rotation,
-                                                max_num_kv_splits=max_num_kv_splits, **buffers, **arguments)
-
+    call = vllm_decode_call(module, config, problem, max_num_kv_splits)
     with vllm.cache_layout_for(config.cache_layout):
         call()
         graph_ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
@@ -205,13 +196,43 @@ def bench_vllm_decode(module: ModuleType, config: Config, batch: int, context: i
 
     module_decode()
     module_ms = triton.testing.do_bench_cudagraph(module_decode, return_mode="median")
-    del cache, head_major
+    del problem, cache, call
     sdpa_ms = _sdpa_ms(query, num_kv_heads, context)
     gbps = _gbps(batch * num_kv_heads * context * slot_bytes, graph_ms)
     return VllmDecodeRow(config=config.name, layout=config.cache_layout, batch=batch, context=context,
                          graph_us=graph_ms * 1e3, gbps=gbps, ceiling_pct=100 * gbps / ceiling_gbps,
                          sdpa_us=sdpa_ms * 1e3, speedup_vs_sdpa=sdpa_ms / graph_ms, module_us=module_ms * 1e3,
                          module_cost=graph_ms / module_ms)
+
+
+def vllm_decode_call(module: ModuleType, config: Config, problem: dict,
+                     max_num_kv_splits: int = VLLM_MAX_KV_SPLITS):
+    """A call of tqgen.vllm's decode as vLLM's backend makes it, over a random_problem of `module`: the cache
+    allocated head-major (num_blocks, num_kv_heads, block_size, slot) and passed transposed, the workspace's
+    mid_o_buf, output_buf and lse_buf, the config's rotation and centroids. Run it inside
+    vllm.cache_layout_for(config.cache_layout)."""
+    from . import vllm
+
+    cache, block_table, seq_lens, query = (problem[k] for k in ("cache", "block_table", "seq_lens", "query"))
+    batch, num_q_heads, _ = query.shape
+    device = cache.device
+    arguments = vllm.format_arguments(config.key_bits, config.value_bits, config.norm_correction, config.head_dim)
+    if config.cache_layout == "planes":  # the pages [num_blocks, Hk, block_size * slot] are the allocation
+        head_major = cache.view(cache.shape[0], cache.shape[1], config.block_size, module.SLOT_BYTES).transpose(1, 2)
+    else:
+        head_major = cache  # random_problem lays a slots cache out as make_cache does: head-major
+    codebook = codebook_kwargs(module, device)
+    rotation = codebook.get("rotation")
+    pi = rotation.t().contiguous() if rotation is not None else None  # vLLM's PiT is tqgen's rotation
+    buffers = dict(mid_o_buf=torch.empty(batch, num_q_heads, max_num_kv_splits, config.head_dim + 1, device=device),
+                   output_buf=torch.empty_like(query), lse_buf=torch.empty(batch, num_q_heads, device=device))
+
+    def call():
+        vllm.triton_turboquant_decode_attention(query, head_major, block_table, seq_lens, pi,
+                                                codebook.get("centroids"), config.head_dim**-0.5, PiT=rotation,
+                                                max_num_kv_splits=max_num_kv_splits, **buffers, **arguments)
+
+    return call
 
 
 def _gbps(nbytes: int, ms: float) -> float:
