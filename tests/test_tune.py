@@ -582,8 +582,8 @@ def test_only_decode_kernel_edits_invalidate_a_tuned_file(setup, tmp_path, monke
          "    running_sum = tl.zeros([BLOCK_H], tl.float32) * 1.0\n"),
         ("decode/stage2.py.jinja", "    lse_max = tl.max(lse, axis=0)\n", "    lse_max = tl.max(lse, axis=0) + 0.0\n"),
         ("decode/prepare.py.jinja", "    row_mask = rows < num_rows\n", "    row_mask = (rows < num_rows) & True\n"),
-        ("decode/launch.py.jinja", "    block_h = max(16, triton.next_power_of_2(group_size))",
-         "    block_h = max(16, triton.next_power_of_2(group_size), 1)"),
+        ("decode/launch.py.jinja", "    block_h = max(16, _next_power_of_2(group_size))",
+         "    block_h = max(16, _next_power_of_2(group_size), 1)"),
         ("shared/fields.py.jinja", "bitcast=True) - 1024.0", "bitcast=True) - 1024.0 + 0.0"),
     ]
     for name, old, new in keeps:

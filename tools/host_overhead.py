@@ -13,7 +13,11 @@ backend calls it (its buffers passed, the cache head-major), and fp16 SDPA of th
   eager calls, the larger of the host's time and the GPU's;
 - graph us: the median CUDA-graph replay (triton.testing.do_bench_cudagraph): the GPU time alone.
 Prints one table. --profile N also prints the N costliest functions (cProfile, own time) of each config's eager
-`module.decode` and tqgen.vllm calls at the first shape: where the host time goes.
+`module.decode` and tqgen.vllm calls at the first shape: where the host time goes. --breakdown times, for each
+config's `module.decode` at the first shape, the call with triton's launches stubbed out (tqgen's own part) and each
+of its launches whole and in pieces (triton's binder, its cache key, its check of the kernel's globals, the compiled
+kernel called directly, and tqgen's _launch, which does so after a first launch): perf_counter medians, which
+cProfile's per-call overhead would distort.
 """
 
 from __future__ import annotations
@@ -31,21 +35,32 @@ DEFAULT_CONFIGS = ["configs/k3v4-d128-planes.yaml", "configs/k8v4-d128-planes.ya
                    "configs/k8v4-d128.yaml"]
 
 
+def median_us(call, calls: int) -> float:
+    """Median host time of call() in us over `calls` calls after 10 more, nothing synchronized but every 50 calls
+    (a short launch queue: host time, not back-pressure)."""
+    import torch
+
+    for _ in range(10):
+        call()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+        if len(times) % 50 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
 def host_costs(call, calls: int) -> tuple[float, float, float]:
     """(host us, eager us, graph us) of `call`, as the module docstring defines them."""
     import torch
     import triton
 
-    for _ in range(20):
+    for _ in range(10):
         call()
-    torch.cuda.synchronize()
-    host = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        call()
-        host.append(time.perf_counter() - start)
-        if len(host) % 50 == 0:
-            torch.cuda.synchronize()  # keep the launch queue short: host time, not back-pressure
+    host = median_us(call, calls)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
@@ -53,7 +68,7 @@ def host_costs(call, calls: int) -> tuple[float, float, float]:
     torch.cuda.synchronize()
     eager = (time.perf_counter() - start) / calls
     graph_ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
-    return statistics.median(host) * 1e6, eager * 1e6, graph_ms * 1e3
+    return host, eager * 1e6, graph_ms * 1e3
 
 
 def print_profile(name: str, call, calls: int, top: int) -> None:
@@ -77,14 +92,76 @@ def print_profile(name: str, call, calls: int, top: int) -> None:
     print(f"\n{name}, {calls} calls:\n" + "\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()))
 
 
+def print_breakdown(name: str, module, call, calls: int) -> None:
+    """The host time of call() split into tqgen's part and each triton launch's pieces (module docstring)."""
+    import torch
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.run
+    launches = []  # (jit function, args, kwargs as run() sees them, grid, compiled kernel)
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        kernel = original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        launches.append((self, args, dict(kwargs), grid, kernel))
+        return kernel
+
+    fast = getattr(module, "_FAST_LAUNCH", False)
+    JITFunction.run = recording
+    module._FAST_LAUNCH = False  # every launch through triton's path, to be recorded
+    try:
+        call()
+    finally:
+        JITFunction.run = original
+        module._FAST_LAUNCH = fast
+    torch.cuda.synchronize()
+    JITFunction.run = lambda self, *args, grid, warmup, **kwargs: None
+    module._FAST_LAUNCH = False  # else _launch would still call the compiled kernels it holds
+    try:
+        own = median_us(call, calls)
+    finally:
+        JITFunction.run = original
+        module._FAST_LAUNCH = fast
+    print(f"\n{name}: whole call {median_us(call, calls):.1f} us, with the launches stubbed out {own:.1f} us")
+    print("| kernel | triton's launch us | binder us | cache key us | globals check us | compiled kernel us "
+          "| tqgen's _launch us | globals |")
+    print("|---|---|---|---|---|---|---|---|")
+    device = driver.active.get_current_device()
+    for fn, args, kwargs, grid, compiled in launches:
+        try:
+            from triton import knobs
+            run_kwargs = dict(kwargs, debug=kwargs.get("debug", fn.debug) or knobs.runtime.debug,
+                              instrumentation_mode=knobs.compilation.instrumentation_mode)
+        except (ImportError, AttributeError):
+            run_kwargs = dict(kwargs)
+        _, key_cache, _, _, binder = fn.device_caches[device]
+        bound, specialization, options = binder(*args, **run_kwargs)
+        pieces = [lambda: fn[grid](*args, **kwargs), lambda: binder(*args, **run_kwargs)]
+        try:
+            from triton.runtime.jit import compute_cache_key
+            pieces.append(lambda: compute_cache_key(key_cache, specialization, options))
+        except ImportError:
+            pieces.append(None)
+        missing = object()
+        pieces.append(lambda: [globals_dict.get(global_name, missing) != value
+                               for (global_name, _), (value, globals_dict) in fn.used_global_vals.items()])
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        pieces.append(lambda: compiled[grid3](*bound.values()))
+        pieces.append((lambda: module._launch(fn, grid, *args, **kwargs)) if fast else None)
+        cells = [f"{median_us(piece, calls):.1f}" if piece else "-" for piece in pieces]
+        print(f"| {fn.__name__} | " + " | ".join(cells) + f" | {len(fn.used_global_vals)} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("configs", nargs="*", default=DEFAULT_CONFIGS)
     parser.add_argument("--shapes", nargs="+", default=["1x4096", "8x4096"])
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--breakdown", action="store_true")
     args = parser.parse_args()
     profiles = []  # (name, call): profiled after the table
+    breakdowns = []  # (name, call): split after the table
 
     import torch
     import triton
@@ -119,6 +196,8 @@ def main() -> None:
                   + " | ".join(f"{v:.1f}" for v in host_costs(decode, args.calls)) + " |", flush=True)
             if args.profile and shape == args.shapes[0]:
                 profiles.append((f"{config.name} decode {shape}", decode))
+            if args.breakdown and shape == args.shapes[0]:
+                breakdowns.append((f"{config.name} decode {shape}", module, decode))
             vllm_decode = bench.vllm_decode_call(module, config, problem)
             with vllm.cache_layout_for(config.cache_layout):
                 costs = host_costs(vllm_decode, args.calls)
@@ -128,6 +207,8 @@ def main() -> None:
                   flush=True)
     for name, call in profiles:
         print_profile(name, call, args.calls, args.profile)
+    for name, module, call in breakdowns:
+        print_breakdown(name, module, call, args.calls)
 
 
 if __name__ == "__main__":
