@@ -72,13 +72,31 @@ def test_fast_launch_entry_binds_the_trailing_parameters(k3v4):
     kernel = JITFunction(_kernel_with_constants)
     compiled = object()
     entry = k3v4._fast_launch_entry(kernel, 3, {"BLOCK": 16, "num_warps": 4, "LAST": 2}, compiled)
-    assert entry[0] is compiled and entry[1] == (16, 7, 2) and entry[2] == (16, 4, 2)
+    assert entry[0] is compiled and entry[1] == (16, 7, 2) and entry[2] == (kernel, 16, 4, 2)
     # a runtime parameter passed by keyword is bound by value; a tensor by keyword takes triton's path every time
     assert k3v4._fast_launch_entry(kernel, 2, {"stride": 3, "BLOCK": 16}, compiled)[1] == (3, 16, 7, None)
     assert k3v4._fast_launch_entry(kernel, 2, {"stride": torch.zeros(1), "BLOCK": 16}, compiled) is None
     assert k3v4._fast_launch_entry(kernel, 3, {}, compiled) is None  # BLOCK has no value: triton raised already
     with pytest.raises(TypeError, match="pass constexpr parameters by keyword"):
         k3v4._fast_launch_entry(kernel, 4, {}, compiled)
+
+
+def test_tritons_settings_are_part_of_the_key(k3v4, monkeypatch):
+    """Triton adds its debug and instrumentation settings to every compile's options, and profilers switch them at
+    run time: a changed setting must not find a kernel compiled under the old one; a stage-inspection hook (newer
+    triton: part of triton's own key) sends every launch down triton's path."""
+    import triton
+
+    if not hasattr(triton, "knobs"):
+        pytest.skip("triton < 3.4 has no knobs: _launch always takes triton's path there")
+    plain = k3v4._triton_settings()
+    monkeypatch.setattr(triton.knobs.runtime, "debug", True)
+    debug = k3v4._triton_settings()
+    monkeypatch.setattr(triton.knobs.compilation, "instrumentation_mode", "consan")
+    assert plain != debug != k3v4._triton_settings() is not None
+    if hasattr(triton.knobs.runtime, "add_stages_inspection_hook"):
+        monkeypatch.setattr(triton.knobs.runtime, "add_stages_inspection_hook", lambda: ("key", "hash"))
+        assert k3v4._triton_settings() is None
 
 
 def test_cdiv_and_next_power_of_2_match_triton(k3v4):
@@ -173,3 +191,8 @@ def test_store_decode_multi_and_dequantize_launch_directly(build_module, monkeyp
     assert launches == []
     for want, got in zip(expected, direct):
         assert torch.equal(want, got)
+    import triton
+
+    monkeypatch.setattr(triton.knobs.runtime, "debug", True)  # a new setting: triton's path again, and its kernel
+    module.dequantize(direct[0], table, lens)
+    assert [kernel.__name__ for kernel in launches] == ["tq_dequantize"]

@@ -10,8 +10,9 @@
 # the tuned files written so far into OUT_DIR/tuned.tar after each config (`tar -xf tuned.tar` in the checkout
 # restores them): a call that runs out of time keeps the configs it finished; "multi" times decode_multi
 # at q_len 1-8 against decode, tools/bench_decode_multi.py, before the benchmark; "host" the host time of eager
-# decode calls, tools/host_overhead.py, into host.log). TQGEN_SANITIZE_CONFIGS
-# limits the sanitizers to some configs (default every shipped one, 8 sanitizer processes at a time).
+# decode calls, tools/host_overhead.py, through triton's launch path and as shipped, into host.log).
+# TQGEN_SANITIZE_CONFIGS limits the sanitizers to some configs (default every shipped one, 8 sanitizer processes
+# at a time).
 # OUT_DIR gets these files, by step (the device tool returns no more than 8 from $OUT: every step at once writes 9):
 # pytest-gpu.log, tune.log, tuned.tar, sanitize.log (memcheck then racecheck), multi.log, host.log, bench.log,
 # bench.json, bench.png.
@@ -67,8 +68,10 @@ if [[ $steps == *multi* ]]; then
     rc=$?; grep '^|' "$out/multi.log"; echo "decode_multi bench exit code: $rc"; (( rc )) && status=1
 fi
 if [[ $steps == *host* ]]; then
-    python3 tools/host_overhead.py --shapes 1x4096 8x4096 > "$out/host.log" 2>&1
-    rc=$?; grep '^|' "$out/host.log"; echo "host overhead exit code: $rc"; (( rc )) && status=1
+    # triton's launch path on every launch first (TQGEN_FAST_LAUNCH=0), then as shipped: both in one session
+    { echo "TQGEN_FAST_LAUNCH=0"; TQGEN_FAST_LAUNCH=0 python3 tools/host_overhead.py --shapes 1x4096 8x4096; \
+      echo "as shipped"; python3 tools/host_overhead.py --shapes 1x4096 8x4096; } > "$out/host.log" 2>&1
+    rc=$?; grep -E '^\||^TQGEN|^as shipped' "$out/host.log"; echo "host overhead exit code: $rc"; (( rc )) && status=1
 fi
 if [[ $steps == *bench* ]]; then
     bench_args=${TQGEN_BENCH_ARGS:-}
