@@ -23,6 +23,7 @@ cProfile's per-call overhead would distort.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import statistics
@@ -95,8 +96,9 @@ def print_profile(name: str, call, calls: int, top: int) -> None:
 def print_breakdown(name: str, module, call, calls: int) -> None:
     """The host time of call() split into tqgen's part and each triton launch's pieces (module docstring)."""
     import torch
+    from triton import knobs  # triton >= 3.4, as the breakdown's pieces are triton 3.6's launch path
     from triton.runtime import driver
-    from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import JITFunction, compute_cache_key
 
     original = JITFunction.run
     launches = []  # (jit function, args, kwargs as run() sees them, grid, compiled kernel)
@@ -106,49 +108,43 @@ def print_breakdown(name: str, module, call, calls: int) -> None:
         launches.append((self, args, dict(kwargs), grid, kernel))
         return kernel
 
-    fast = getattr(module, "_FAST_LAUNCH", False)
-    JITFunction.run = recording
-    module._FAST_LAUNCH = False  # every launch through triton's path, to be recorded
-    try:
+    @contextlib.contextmanager
+    def every_launch_through(run):
+        """JITFunction.run replaced by `run`, and _launch taking it for every launch (no compiled kernel it holds)."""
+        fast = module._FAST_LAUNCH
+        JITFunction.run, module._FAST_LAUNCH = run, False
+        try:
+            yield
+        finally:
+            JITFunction.run, module._FAST_LAUNCH = original, fast
+
+    with every_launch_through(recording):
         call()
-    finally:
-        JITFunction.run = original
-        module._FAST_LAUNCH = fast
     torch.cuda.synchronize()
-    JITFunction.run = lambda self, *args, grid, warmup, **kwargs: None
-    module._FAST_LAUNCH = False  # else _launch would still call the compiled kernels it holds
-    try:
+    with every_launch_through(lambda self, *args, grid, warmup, **kwargs: None):
         own = median_us(call, calls)
-    finally:
-        JITFunction.run = original
-        module._FAST_LAUNCH = fast
     print(f"\n{name}: whole call {median_us(call, calls):.1f} us, with the launches stubbed out {own:.1f} us")
     print("| kernel | triton's launch us | binder us | cache key us | globals check us | compiled kernel us "
           "| tqgen's _launch us | globals |")
     print("|---|---|---|---|---|---|---|---|")
     device = driver.active.get_current_device()
+    extra_options = dict(instrumentation_mode=knobs.compilation.instrumentation_mode)  # what run() adds
     for fn, args, kwargs, grid, compiled in launches:
-        try:
-            from triton import knobs
-            run_kwargs = dict(kwargs, debug=kwargs.get("debug", fn.debug) or knobs.runtime.debug,
-                              instrumentation_mode=knobs.compilation.instrumentation_mode)
-        except (ImportError, AttributeError):
-            run_kwargs = dict(kwargs)
+        run_kwargs = dict(kwargs, debug=kwargs.get("debug", fn.debug) or knobs.runtime.debug, **extra_options)
         _, key_cache, _, _, binder = fn.device_caches[device]
         bound, specialization, options = binder(*args, **run_kwargs)
-        pieces = [lambda: fn[grid](*args, **kwargs), lambda: binder(*args, **run_kwargs)]
-        try:
-            from triton.runtime.jit import compute_cache_key
-            pieces.append(lambda: compute_cache_key(key_cache, specialization, options))
-        except ImportError:
-            pieces.append(None)
         missing = object()
-        pieces.append(lambda: [globals_dict.get(global_name, missing) != value
-                               for (global_name, _), (value, globals_dict) in fn.used_global_vals.items()])
         grid3 = tuple(grid) + (1,) * (3 - len(grid))
-        pieces.append(lambda: compiled[grid3](*bound.values()))
-        pieces.append((lambda: module._launch(fn, grid, *args, **kwargs)) if fast else None)
-        cells = [f"{median_us(piece, calls):.1f}" if piece else "-" for piece in pieces]
+        pieces = [
+            lambda: fn[grid](*args, **kwargs),
+            lambda: binder(*args, **run_kwargs),
+            lambda: compute_cache_key(key_cache, specialization, options),
+            lambda: [globals_dict.get(global_name, missing) != value
+                     for (global_name, _), (value, globals_dict) in fn.used_global_vals.items()],
+            lambda: compiled[grid3](*bound.values()),
+            lambda: module._launch(fn, grid, *args, **kwargs),
+        ]
+        cells = [f"{median_us(piece, calls):.1f}" for piece in pieces]
         print(f"| {fn.__name__} | " + " | ".join(cells) + f" | {len(fn.used_global_vals)} |", flush=True)
 
 
@@ -161,7 +157,7 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true")
     args = parser.parse_args()
     profiles = []  # (name, call): profiled after the table
-    breakdowns = []  # (name, call): split after the table
+    breakdowns = []  # (name, module, call): split after the table
 
     import torch
     import triton
