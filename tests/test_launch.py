@@ -9,6 +9,7 @@ entries of their own.
 """
 
 import functools
+import types
 
 import pytest
 import torch
@@ -71,14 +72,42 @@ def _kernel_with_constants(x_ptr, n, stride, BLOCK: tl.constexpr, EXTRA: tl.cons
 def test_fast_launch_entry_binds_the_trailing_parameters(k3v4):
     kernel = JITFunction(_kernel_with_constants)
     compiled = object()
-    entry = k3v4._fast_launch_entry(kernel, 3, {"BLOCK": 16, "num_warps": 4, "LAST": 2}, compiled)
-    assert entry[0] is compiled and entry[1] == (16, 7, 2) and entry[2] == (kernel, 16, 4, 2)
+    constants = {"BLOCK": 16, "num_warps": 4, "LAST": 2}
+    entry = k3v4._fast_launch_entry(kernel, 3, constants, compiled)
+    assert entry[0] is compiled and entry[1] == (16, 7, 2) and entry[2] == (kernel, constants, 16, 4, 2)
+    assert entry[3] is None  # no launcher handles on this compiled kernel: compiled[grid] calls it
     # a runtime parameter passed by keyword is bound by value; a tensor by keyword takes triton's path every time
     assert k3v4._fast_launch_entry(kernel, 2, {"stride": 3, "BLOCK": 16}, compiled)[1] == (3, 16, 7, None)
     assert k3v4._fast_launch_entry(kernel, 2, {"stride": torch.zeros(1), "BLOCK": 16}, compiled) is None
     assert k3v4._fast_launch_entry(kernel, 3, {}, compiled) is None  # BLOCK has no value: triton raised already
     with pytest.raises(TypeError, match="pass constexpr parameters by keyword"):
         k3v4._fast_launch_entry(kernel, 4, {}, compiled)
+
+
+def test_compiled_runner_takes_the_launchers_handles_or_none(k3v4, monkeypatch):
+    """The launcher, the driver's stream lookup, function handle and packed metadata of a compiled kernel whose
+    handles are loaded; None where any is missing (another triton's compiled kernel) or not loaded yet."""
+    import triton
+
+    def get_current_stream(device):
+        return 0
+
+    monkeypatch.setattr(triton.runtime, "driver", types.SimpleNamespace(
+        active=types.SimpleNamespace(get_current_stream=get_current_stream)))  # this machine may have no GPU
+
+    class Compiled:
+        function, packed_metadata = 7, ("metadata",)
+
+        def run(self, *args):
+            pass
+
+    compiled = Compiled()
+    runner = k3v4._compiled_runner(compiled)
+    assert runner == (compiled.run, get_current_stream, 7, ("metadata",))
+    compiled.function = None  # handles not loaded
+    assert k3v4._compiled_runner(compiled) is None
+    del Compiled.run
+    assert k3v4._compiled_runner(Compiled()) is None
 
 
 def test_tritons_settings_are_part_of_the_key(k3v4, monkeypatch):
@@ -196,3 +225,40 @@ def test_store_decode_multi_and_dequantize_launch_directly(build_module, monkeyp
     monkeypatch.setattr(triton.knobs.runtime, "debug", True)  # a new setting: triton's path again, and its kernel
     module.dequantize(direct[0], table, lens)
     assert [kernel.__name__ for kernel in launches] == ["tq_dequantize"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_direct_launches_call_a_profilers_launch_hooks(build_module, monkeypatch):
+    """Profilers (proton) add launch hooks at run time: a direct launch then goes through the compiled kernel's
+    runner, which calls them with the launch's metadata, and gives the same bits; without hooks it does not."""
+    import triton
+
+    config = planes_config("k3v4")
+    module = build_module(config)
+    problem = testing.random_problem(module, config, 2, 1024, 32, 8, "cuda", torch.Generator("cuda").manual_seed(5))
+    cache, table, lens, query = (problem[k] for k in ("cache", "block_table", "seq_lens", "query"))
+    decode = functools.partial(module.decode, query, cache, table, lens, **codebook_kwargs(module, config, "cuda"))
+    expected = decode()  # the entries
+    assert not module._launch_hooks_set()
+    launches = _triton_launches(monkeypatch)
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    chain = triton.knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):  # triton >= 3.5: a chain of hooks
+        chain.add(hook)
+        try:
+            assert module._launch_hooks_set()
+            got = decode()
+        finally:
+            chain.remove(hook)
+    else:
+        monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", hook)
+        got = decode()
+    assert launches == [] and torch.equal(expected, got)
+    assert "tq_decode_stage1_mma" in seen and seen[-1] == "tq_decode_stage2", seen
+    seen.clear()
+    assert torch.equal(decode(), expected) and seen == []

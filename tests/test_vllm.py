@@ -7,6 +7,7 @@ docs/format.md's rules. The CPU cases are a few representative combinations (Tri
 is slow); the full matrix runs on the GPU (`pytest -m gpu`).
 """
 
+import gc
 import math
 import types
 
@@ -452,8 +453,10 @@ def test_continuation_prefill_dequantize_launch(device, launch, cache_dtype):
 def test_derived_codebook_tensors_are_kept_per_source_and_version_without_a_bound(monkeypatch):
     """One derived tensor per (source, kind) as long as the source lives and is not written: 300 per-layer
     sources cycled three times derive 300 times (a bounded cache shorter than the cycle would miss every
-    time); an in-place write derives again; while a graph is captured, fresh_in_capture always derives."""
+    time); an in-place write derives again; while a graph is captured, fresh_in_capture always derives; the
+    entries go when their sources do."""
     calls = []
+    held_before = len(vllm._derived)
 
     def make(source, capturing):
         calls.append(capturing)
@@ -470,6 +473,10 @@ def test_derived_codebook_tensors_are_kept_per_source_and_version_without_a_boun
     vllm._derive("test-kind", sources[8], make)  # derived before the capture: its entry is used
     vllm._derive("test-kind", sources[8], make, fresh_in_capture=True)
     assert calls[301:] == [True]
+    assert len(vllm._derived) == held_before + 300
+    del sources, source  # the loop's variable holds the last
+    gc.collect()
+    assert len(vllm._derived) == held_before
 
 
 def test_a_hadamard_pit_takes_the_stores_walsh_hadamard_path():
@@ -726,9 +733,11 @@ def test_planes_layout_refusals_in_one_line(monkeypatch):
 
 
 def test_cache_layout_for_runs_a_layout_with_modules_of_its_own_then_restores(monkeypatch):
-    """tqgen bench times both layouts in one process: inside, the other layout and an empty module table; after,
-    the layout and modules as they were (an engine's modules are not lost)."""
+    """tqgen bench times both layouts in one process: inside, the other layout and a module table of its own, kept
+    for the layout's next use (tools enter it around every few calls); after, the layout and modules as they were
+    (an engine's modules are not lost)."""
     use_layout(monkeypatch, "slots")
+    monkeypatch.setattr(vllm, "_modules_of_layout", {})
     module = vllm._module("test", torch.device("cpu"), 64, 16, True, 0, 64, 4, False)
     with vllm.cache_layout_for("planes"):
         assert vllm.cache_layout() == "planes" and vllm._modules == {}
@@ -736,6 +745,10 @@ def test_cache_layout_for_runs_a_layout_with_modules_of_its_own_then_restores(mo
         assert planes.CONFIG["cache_layout"] == "planes"
     assert vllm.cache_layout() == "slots"
     assert list(vllm._modules.values()) == [module]
+    with vllm.cache_layout_for("planes"):
+        assert list(vllm._modules.values()) == [planes]  # found, not built again
+    with vllm.cache_layout_for("slots"):
+        assert vllm._modules == {}  # the slots layout's own table, not the process's
     with pytest.raises(vllm.VllmArgumentError, match="cache layout 'pages' is not one of slots, planes"):
         with vllm.cache_layout_for("pages"):
             pass

@@ -68,7 +68,7 @@ def _decode_variant(source: str, name: str) -> str:
         elif name == "no_trigger":
             edits += [(trigger, "")]
         elif name == "stage2_serial":
-            edits += [("num_warps=4, launch_pdl=dependent,", "num_warps=4, launch_pdl=False,")]
+            edits += [("num_warps=4, launch_pdl=dependent))", "num_warps=4, launch_pdl=False))")]  # _stage2_keywords
         elif name != "dependent":
             raise SystemExit(f"unknown variant {name!r}")
     for old, new in edits:

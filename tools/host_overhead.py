@@ -8,7 +8,9 @@ For each config (default: k3v4 and k8v4, planes and slots) and shape (32 query /
 `module.decode` with a workspace and validate=False, tqgen.vllm's `triton_turboquant_decode_attention` as vLLM's
 backend calls it (its buffers passed, the cache head-major), and fp16 SDPA of the same shape. For each:
 - host us: the CPU time of one call, perf_counter around it with nothing synchronized (median over --calls, after
-  warm-up): what the engine's thread spends before it can issue the next kernel;
+  warm-up): what the engine's thread spends before it can issue the next kernel. The calls of a shape are timed in
+  turn, 10 of each per round (the device machine's CPU drifts by tens of percent between blocks of calls, and
+  interleaving spreads that over every call alike);
 - eager us: wall time per call of --calls calls issued back to back, synchronized once at the end: the rate of
   eager calls, the larger of the host's time and the GPU's;
 - graph us: the median CUDA-graph replay (triton.testing.do_bench_cudagraph): the GPU time alone.
@@ -16,8 +18,9 @@ Prints one table. --profile N also prints the N costliest functions (cProfile, o
 `module.decode` and tqgen.vllm calls at the first shape: where the host time goes. --breakdown times, for each
 config's `module.decode` at the first shape, the call with triton's launches stubbed out (tqgen's own part) and each
 of its launches whole and in pieces (triton's binder, its cache key, its check of the kernel's globals, the compiled
-kernel called directly, and tqgen's _launch, which does so after a first launch): perf_counter medians, which
-cProfile's per-call overhead would distort.
+kernel called directly, and tqgen's _launch, which does so after a first launch, and _launch_with, the same with the
+constants as one mapping built once, as the decode stages pass theirs): perf_counter medians, which cProfile's
+per-call overhead would distort.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,14 +58,35 @@ def median_us(call, calls: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def host_costs(call, calls: int) -> tuple[float, float, float]:
-    """(host us, eager us, graph us) of `call`, as the module docstring defines them."""
+def interleaved_host_us(calls_by_name: dict, calls: int) -> dict:
+    """Host us (module docstring) of each (call, context) of calls_by_name: `calls` timed calls of each, 10 of each
+    in turn per round, each block inside its context (tqgen.vllm's cache layout); medians by name."""
+    import torch
+
+    times = {name: [] for name in calls_by_name}
+    for call, context in calls_by_name.values():
+        with context():
+            for _ in range(10):
+                call()
+    torch.cuda.synchronize()
+    for _ in range(-(-calls // 10)):
+        for name, (call, context) in calls_by_name.items():
+            with context():
+                for _ in range(10):
+                    start = time.perf_counter()
+                    call()
+                    times[name].append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+    return {name: statistics.median(values) * 1e6 for name, values in times.items()}
+
+
+def eager_and_graph_us(call, calls: int) -> tuple[float, float]:
+    """(eager us, graph us) of `call`, as the module docstring defines them."""
     import torch
     import triton
 
     for _ in range(10):
         call()
-    host = median_us(call, calls)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
@@ -69,7 +94,7 @@ def host_costs(call, calls: int) -> tuple[float, float, float]:
     torch.cuda.synchronize()
     eager = (time.perf_counter() - start) / calls
     graph_ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
-    return host, eager * 1e6, graph_ms * 1e3
+    return eager * 1e6, graph_ms * 1e3
 
 
 def print_profile(name: str, call, calls: int, top: int) -> None:
@@ -125,8 +150,8 @@ def print_breakdown(name: str, module, call, calls: int) -> None:
         own = median_us(call, calls)
     print(f"\n{name}: whole call {median_us(call, calls):.1f} us, with the launches stubbed out {own:.1f} us")
     print("| kernel | triton's launch us | binder us | cache key us | globals check us | compiled kernel us "
-          "| tqgen's _launch us | globals |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| tqgen's _launch us | _launch_with us | globals |")
+    print("|---|---|---|---|---|---|---|---|---|")
     device = driver.active.get_current_device()
     extra_options = dict(instrumentation_mode=knobs.compilation.instrumentation_mode)  # what run() adds
     for fn, args, kwargs, grid, compiled in launches:
@@ -135,6 +160,7 @@ def print_breakdown(name: str, module, call, calls: int) -> None:
         bound, specialization, options = binder(*args, **run_kwargs)
         missing = object()
         grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        mapping = types.MappingProxyType(kwargs)  # built once, as the decode stages' launchers cache theirs
         pieces = [
             lambda: fn[grid](*args, **kwargs),
             lambda: binder(*args, **run_kwargs),
@@ -143,6 +169,7 @@ def print_breakdown(name: str, module, call, calls: int) -> None:
                      for (global_name, _), (value, globals_dict) in fn.used_global_vals.items()],
             lambda: compiled[grid3](*bound.values()),
             lambda: module._launch(fn, grid, *args, **kwargs),
+            lambda: module._launch_with(fn, grid, mapping, *args),
         ]
         cells = [f"{median_us(piece, calls):.1f}" for piece in pieces]
         print(f"| {fn.__name__} | " + " | ".join(cells) + f" | {len(fn.used_global_vals)} |", flush=True)
@@ -156,8 +183,8 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument("--breakdown", action="store_true")
     args = parser.parse_args()
-    profiles = []  # (name, call): profiled after the table
-    breakdowns = []  # (name, module, call): split after the table
+    profiles = []  # (name, call, context): profiled after the table, with --profile
+    breakdowns = []  # (name, module, call): split after the table, with --breakdown
 
     import torch
     import triton
@@ -171,10 +198,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for shape in args.shapes:
         batch, context = (int(part) for part in shape.split("x"))
-        sdpa = bench.sdpa_call(torch.randn(batch, 32, 128, dtype=torch.float16, device="cuda"), 8, context)
-        print(f"| fp16 SDPA | {shape} | " + " | ".join(f"{v:.1f}" for v in host_costs(sdpa, args.calls)) + " |",
-              flush=True)
-        del sdpa
+        calls = {"fp16 SDPA": (bench.sdpa_call(torch.randn(batch, 32, 128, dtype=torch.float16, device="cuda"), 8,
+                                               context), contextlib.nullcontext)}
         for path in args.configs:
             config = emit.as_config(path)
             module = tqgen.load(config)
@@ -184,26 +209,25 @@ def main() -> None:
             launch = module.decode_launch(batch, 8, 4, context, cache.device)
             workspace = module.DecodeWorkspace(batch, 32, launch[3], "cuda")
             out = torch.empty_like(query)
-
             decode = functools.partial(module.decode, query, cache, table, lens, out=out, workspace=workspace,
                                        validate=False, **codebook)
-
-            print(f"| {config.name} decode | {shape} | "
-                  + " | ".join(f"{v:.1f}" for v in host_costs(decode, args.calls)) + " |", flush=True)
-            if args.profile and shape == args.shapes[0]:
-                profiles.append((f"{config.name} decode {shape}", decode))
-            if args.breakdown and shape == args.shapes[0]:
+            layout = functools.partial(vllm.cache_layout_for, config.cache_layout)
+            calls[f"{config.name} decode"] = (decode, contextlib.nullcontext)
+            calls[f"{config.name} tqgen.vllm"] = (bench.vllm_decode_call(module, config, problem), layout)
+            if shape == args.shapes[0]:
+                profiles += [(f"{config.name} decode {shape}", decode, contextlib.nullcontext),
+                             (f"{config.name} tqgen.vllm {shape}", calls[f"{config.name} tqgen.vllm"][0], layout)]
                 breakdowns.append((f"{config.name} decode {shape}", module, decode))
-            vllm_decode = bench.vllm_decode_call(module, config, problem)
-            with vllm.cache_layout_for(config.cache_layout):
-                costs = host_costs(vllm_decode, args.calls)
-                if args.profile and shape == args.shapes[0]:
-                    print_profile(f"{config.name} tqgen.vllm {shape}", vllm_decode, args.calls, args.profile)
-            print(f"| {config.name} tqgen.vllm | {shape} | " + " | ".join(f"{v:.1f}" for v in costs) + " |",
-                  flush=True)
-    for name, call in profiles:
-        print_profile(name, call, args.calls, args.profile)
-    for name, module, call in breakdowns:
+        host = interleaved_host_us(calls, args.calls)
+        for name, (call, context) in calls.items():
+            with context():
+                costs = host[name], *eager_and_graph_us(call, args.calls)
+            print(f"| {name} | {shape} | " + " | ".join(f"{v:.1f}" for v in costs) + " |", flush=True)
+        del calls
+    for name, call, context in profiles if args.profile else []:
+        with context():
+            print_profile(name, call, args.calls, args.profile)
+    for name, module, call in breakdowns if args.breakdown else []:
         print_breakdown(name, module, call, args.calls)
 
 

@@ -64,9 +64,9 @@ import copy
 import functools
 import math
 import os
+import weakref
 
 import torch
-import torch.utils.weak
 
 from . import config as config_mod
 from . import emit
@@ -160,13 +160,20 @@ def set_cache_layout(layout: str) -> None:
     _layout = layout
 
 
+# cache_layout_for's module tables, by layout: kept from one use to the next (a tool that enters it around every
+# few calls finds its modules built), apart from the process's own.
+_modules_of_layout: dict = {}
+
+
 @contextlib.contextmanager
 def cache_layout_for(layout: str):
-    """Run the drop-ins in a layout for a while, with modules of their own, then as before: for tools that
-    compare both layouts in one process (tqgen bench). An engine picks one layout per process."""
+    """Run the drop-ins in a layout for a while, with modules of their own (the layout's, kept for its next use),
+    then as before: for tools that compare both layouts in one process (tqgen bench). An engine picks one layout
+    per process."""
     global _layout, _modules, _modules_by_config
     saved = _layout, _modules, _modules_by_config
-    _layout, _modules, _modules_by_config = _checked_layout(layout), {}, {}
+    _layout = _checked_layout(layout)
+    _modules, _modules_by_config = _modules_of_layout.setdefault(_layout, ({}, {}))
     try:
         yield
     finally:
@@ -273,10 +280,12 @@ def _config(fn, device, head_dim, block_size, key_fp8, mse_bits, key_packed_size
 
 
 # --- the codebook ------------------------------------------------------------------------------
-# Tensors derived from a caller's codebook tensors (rotations, fp32 copies): source tensor -> {kind: (signature,
-# derived)}, kept while the source lives. No size bound: an engine holds a codebook tensor or two per layer and
-# calls in a fixed order, so a bounded cache shorter than that cycle would miss on every call.
-_derived = torch.utils.weak.WeakIdKeyDictionary()
+# Tensors derived from a caller's codebook tensors (rotations, fp32 copies): id(source) -> (a weak reference to
+# source, {kind: (signature, derived)}), dropped when the source dies. A plain dictionary by id, not torch's
+# WeakIdKeyDictionary, whose every lookup built a weak-reference object (two lookups a decode call). No size bound:
+# an engine holds a codebook tensor or two per layer and calls in a fixed order, so a bounded cache shorter than
+# that cycle would miss on every call.
+_derived: dict = {}
 # Per module and device: an empty decode workspace to copy.
 _constants: dict = {}
 
@@ -292,7 +301,8 @@ def _derive(kind, source, make, fresh_in_capture=False):
     reads the source as it is then (a weight reload writing it in place reaches the graph)."""
     signature = (source._version, source.data_ptr(), source.shape, source.stride(), source.dtype, source.device)
     capturing = _capturing(source)
-    entries = _derived.get(source)
+    held = _derived.get(id(source))
+    entries = held[1] if held is not None and held[0]() is source else None  # not a dead tensor's id reused
     if entries is not None and not (capturing and fresh_in_capture):
         entry = entries.get(kind)
         if entry is not None and entry[0] == signature:
@@ -300,9 +310,17 @@ def _derive(kind, source, make, fresh_in_capture=False):
     derived = make(source, capturing=capturing)
     if not capturing:
         if entries is None:
-            entries = _derived[source] = {}
+            entries = {}
+            _derived[id(source)] = (weakref.ref(source, functools.partial(_forget_derived, id(source))), entries)
         entries[kind] = (signature, derived)
     return derived
+
+
+def _forget_derived(source_id, reference):
+    """The weak reference's callback: drop a dead source's entry (unless a new tensor with its id replaced it)."""
+    held = _derived.get(source_id)
+    if held is not None and held[0] is reference:
+        del _derived[source_id]
 
 
 def _fp32(tensor):
