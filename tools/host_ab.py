@@ -19,15 +19,14 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout
+sys.path.insert(0, HERE)
 from host_overhead import DEFAULT_CONFIGS, interleaved_host_us  # noqa: E402  (beside this file)
-
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def module_of(tree: str, config_path: str, cache_dir: str):
     """The decode module `tree`'s tqgen builds for the config (for this machine's GPU), loaded under its own name."""
-    code = ("import sys, tqgen; from tqgen import emit; "
+    code = ("import tqgen; from tqgen import emit; "
             f"print(tqgen.load(emit.as_config({os.path.abspath(config_path)!r})).__file__)")
     env = dict(os.environ, TQGEN_CACHE_DIR=cache_dir, PYTHONPATH=tree)
     path = subprocess.check_output([sys.executable, "-c", code], cwd=tree, env=env, text=True).strip().splitlines()[-1]

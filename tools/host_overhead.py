@@ -41,21 +41,8 @@ DEFAULT_CONFIGS = ["configs/k3v4-d128-planes.yaml", "configs/k8v4-d128-planes.ya
 
 
 def median_us(call, calls: int) -> float:
-    """Median host time of call() in us over `calls` calls after 10 more, nothing synchronized but every 50 calls
-    (a short launch queue: host time, not back-pressure)."""
-    import torch
-
-    for _ in range(10):
-        call()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-        if len(times) % 50 == 0:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
+    """Median host time of call() in us over `calls` calls (interleaved_host_us of the one call)."""
+    return interleaved_host_us({"call": (call, contextlib.nullcontext)}, calls)["call"]
 
 
 def interleaved_host_us(calls_by_name: dict, calls: int) -> dict:
