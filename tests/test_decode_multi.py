@@ -261,32 +261,25 @@ def test_the_multi_token_path_is_outside_the_decode_hash(stem):
 
 
 # --- the Gluon kernel (planes) ---------------------------------------------------------------
-MMA_CASES = [  # (q_len, group size, num_warps, MMA_STAGE1, Gluon programs per sequence of up to 16 columns and
-    # of up to 32 (shared tiles), or 0: the tl.dot kernel)
-    (4, 4, 1, True, 1, 1), (2, 8, 1, True, 1, 1), (3, 4, 1, True, 1, 1), (8, 2, 1, True, 1, 1), (8, 4, 1, True, 2, 1),
-    (3, 8, 1, True, 2, 1), (5, 6, 1, True, 0, 1), (2, 16, 1, True, 2, 1), (4, 4, 2, True, 0, 0), (4, 4, 1, False, 0, 0),
-    (8, 8, 1, True, 0, 2), (2, 2, 1, True, 1, 1),
+MMA_CASES = [  # (q_len, group size, num_warps, MMA_STAGE1, Gluon programs per sequence, or 0: the tl.dot kernel)
+    (4, 4, 1, True, 1), (2, 8, 1, True, 1), (3, 4, 1, True, 1), (8, 2, 1, True, 1), (8, 4, 1, True, 2),
+    (3, 8, 1, True, 2), (5, 6, 1, True, 0), (2, 16, 1, True, 2), (4, 4, 2, True, 0), (4, 4, 1, False, 0),
 ]
 
 
-@pytest.mark.parametrize("q_len,group_size,num_warps,switched_on,one_warp_blocks,shared_blocks", MMA_CASES)
-@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("q_len,group_size,num_warps,switched_on,token_blocks", MMA_CASES)
 @pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
-def test_decode_multi_takes_the_gluon_kernel_where_it_can(build_module, monkeypatch, preset, shared, q_len, group_size,
-                                                           num_warps, switched_on, one_warp_blocks, shared_blocks):
+def test_decode_multi_takes_the_gluon_kernel_where_it_can(build_module, monkeypatch, preset, q_len, group_size,
+                                                           num_warps, switched_on, token_blocks):
     """Where decode would take the Gluon kernel (one warp, MMA_STAGE1, a GPU that can), decode_multi does
     when its query tokens fit in _MULTI_MMA_MAX_TOKEN_BLOCKS (2) programs of at most 16 MMA columns (query
-    tokens x heads), one warp each, or with _MULTI_MMA_SHARED (planes) of at most 32, a warp per 8 columns
-    (SHARED_WARPS, num_warps) where they are more than 8: each such program reads the tiles once for its tokens;
-    else the tl.dot kernel. (fp8 keys: built for sm90, as arch auto resolves to sm80 without a GPU, which has no
-    e4m3 converter and so no Gluon kernel for them.)"""
+    tokens x heads): each such program reads the tiles once for its tokens; else the tl.dot kernel. (fp8 keys: built for sm90, as arch auto resolves to
+    sm80 without a GPU, which has no e4m3 converter and so no Gluon kernel for them.)"""
     config = make_config(preset, cache_layout="planes", **({"arch": "sm90"} if preset == "k8v4" else {}))
     module = build_module(config)
     device = "cuda" if HAS_CUDA else "cpu"
     monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)  # a GPU that can, on any machine
     monkeypatch.setattr(module, "MMA_STAGE1", switched_on)
-    monkeypatch.setattr(module, "_MULTI_MMA_SHARED", shared)
-    token_blocks = shared_blocks if shared else one_warp_blocks
     mma, dot = KernelRecorder(), KernelRecorder()
     monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", mma)
     monkeypatch.setattr(module, "tq_decode_multi_stage1", dot)
@@ -300,17 +293,10 @@ def test_decode_multi_takes_the_gluon_kernel_where_it_can(build_module, monkeypa
         assert grid == (2 * token_blocks, 2, 3)
         tokens = -(-q_len // token_blocks)
         columns = tokens * group_size
-        assert columns <= (32 if shared else 16)
+        assert columns <= 16
         assert (launch["Q_LEN"], launch["TOKENS_PER_PROGRAM"], launch["GROUP_SIZE"]) == (q_len, tokens, group_size)
         assert launch["BLOCK_H"] == max(8, 1 << (columns - 1).bit_length()) and launch["STAGES"] == 2
-        warps = launch["BLOCK_H"] // 8 if shared else 1
-        assert launch["num_warps"] == launch["SHARED_WARPS"] == warps and launch["BLOCK_KV"] == 32
-        assert launch["MMA"].warps_per_cta == [1, warps]
-        if warps > 1:  # each warp decodes its share of every tile's tokens, and reads all of the per-token fields
-            # [page, position, unit] steps of the highest token bits of a 32-token tile (2 pages of 16)
-            highest = {2: [[1, 0, 0]], 4: [[0, 8, 0], [1, 0, 0]]}[warps]
-            assert launch["KEY_TILE"].warp_bases == launch["VALUE_TILE"].warp_bases == highest
-            assert launch["TOKEN_TILE"].warp_bases == [[0, 0, 0]] * (warps.bit_length() - 1)
+        assert launch["num_warps"] == 1 and launch["BLOCK_KV"] == 32
 
 
 def wide_launch_module(build_module, monkeypatch, preset, sm_count=132):
@@ -327,10 +313,8 @@ def test_wide_programs_take_at_most_one_wave_of_splits(build_module, monkeypatch
     """A Gluon program of more than 8 MMA columns (decode_multi's query tokens x heads, or decode's heads past 8)
     takes 32-token tiles in a ring of 2 and decode's splits, fewer where its programs would not all be resident
     at once: 12 one-warp programs per SM under the MSE kernels' cap of 168 registers, 8 for fp8 keys (uncapped:
-    counted at 255). Narrow programs (q_len 1, or 2 tokens x 4 heads) keep decode's launch. (decode_multi's programs of
-    a warp per 8 columns, _MULTI_MMA_SHARED: the next test.)"""
+    counted at 255). Narrow programs (q_len 1, or 2 tokens x 4 heads) keep decode's launch."""
     module = wide_launch_module(build_module, monkeypatch, preset)
-    monkeypatch.setattr(module, "_MULTI_MMA_SHARED", False)
     cpu = torch.device("cpu")
     assert module._mma_resident_programs(32, 16, 132) == resident * 132
     assert module._mma_resident_programs(32, 4, 132) == (16 if preset == "k3v4" else 8) * 132
@@ -366,7 +350,6 @@ def test_decode_multi_launches_the_wide_launch_unless_given_one(build_module, mo
     """decode_multi runs decode_multi_launch's launch for what the call does not pass, capped at the workspace's
     splits: 2 sequences x 2 KV heads of 4 query tokens x 4 heads on 1 SM (12 resident programs) take 3 splits."""
     module = wide_launch_module(build_module, monkeypatch, "k3v4", sm_count=1)
-    monkeypatch.setattr(module, "_MULTI_MMA_SHARED", False)
     config = make_config("k3v4", cache_layout="planes")
     mma = KernelRecorder()
     monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", mma)
@@ -384,63 +367,31 @@ def test_decode_multi_launches_the_wide_launch_unless_given_one(build_module, mo
     assert splits(workspace=module.DecodeWorkspace(2, 8, 2, "cpu", max_q_len=4)) == (2, 32, 2)
 
 
-@pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
-def test_shared_tile_programs_take_decodes_launch_within_one_wave(build_module, monkeypatch, preset):
-    """decode_multi's programs of a warp per 8 columns (_MULTI_MMA_SHARED) take decode's tile, ring and splits, fewer
-    splits where the programs' warps would not all be resident at once (32-token tiles: 4 warps a scheduler at the MSE
-    kernels' narrow cap of 120 registers, 16 an SM; fp8 keys uncapped, counted at 255: 8); q_len 1 and programs of 8
-    columns keep decode's launch.""" 
-    module = wide_launch_module(build_module, monkeypatch, preset)
-    cpu = torch.device("cpu")
-    assert module._mma_resident_programs(32, 8, 132) == (16 if preset == "k3v4" else 8) * 132
-    for batch, context in [(1, 4096), (8, 8192), (32, 8192), (32, 16384), (128, 16384)]:
-        decode = module.decode_launch(batch, 8, 4, context, cpu)
-        for q_len in (1, 2):
-            assert module.decode_multi_launch(batch, 8, 4, q_len, context, cpu) == decode
-        for q_len, group_size, columns, blocks in [(4, 4, 16, 1), (8, 4, 32, 1), (3, 4, 16, 1), (2, 8, 16, 1),
-                                                   (3, 8, 32, 1), (8, 8, 32, 2)]:
-            decode = module.decode_launch(batch, 8, group_size, context, cpu)
-            block_kv, warps, stages, splits = module.decode_multi_launch(batch, 8, group_size, q_len, context, cpu)
-            assert (block_kv, warps, stages) == decode[:3]
-            programs = batch * 8 * blocks
-            resident = module._mma_resident_programs(block_kv, 8, 132) // (columns // 8)  # 64-token tiles: uncapped
-            assert 1 <= splits <= decode[3]
-            assert splits == 1 or programs * splits <= resident
-            assert splits == decode[3] or programs * (splits + 1) > resident
-
-
 _COMPILE_SCRIPT = """
 import json, os, sys, dataclasses, tempfile
 sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
 import ptx_probe, tqgen
 from tqgen import config as config_mod
 folder = tempfile.mkdtemp(prefix="tqgen-multi-mma-")
-for stem, q_len, group_size, block_kv, stages, shared in json.loads(sys.argv[1]):
+for stem, q_len, group_size, block_kv, stages in json.loads(sys.argv[1]):
     config = dataclasses.replace(config_mod.load(f"configs/{stem}.yaml"), arch="sm90")
     compiled = ptx_probe.compile_multi_stage1_mma(tqgen.load(config, folder), block_kv, group_size, q_len,
-                                                  stages=stages, shared=shared)
+                                                  stages=stages)
     ptx = compiled.asm["ptx"]
-    print(json.dumps(dict(mma=ptx.count("mma.sync.aligned.m16n8k16"), shared_bytes=compiled.metadata.shared,
-                          warps=compiled.metadata.num_warps, ldmatrix=ptx.count("ldmatrix"))))
+    print(json.dumps(dict(mma=ptx.count("mma.sync.aligned.m16n8k16"), shared_bytes=compiled.metadata.shared)))
 """
-COMPILE_CASES = [  # (config stem, q_len, group_size, block_kv, stages, a warp per 8 columns (planes))
-    ("k3v4-d128-planes", 4, 4, 32, 2, True), ("k3v4-d128-planes", 2, 4, 64, 1, True),
-    ("k3v3-d128-planes", 3, 4, 32, 2, True), ("k4v4-d128-planes", 8, 1, 64, 2, True),
-    ("k4v4-d128-planes", 4, 4, 32, 1, True), ("k8v4-d128-planes", 2, 8, 32, 1, True),
-    ("k8v4-d128-planes", 4, 4, 64, 2, True), ("k3v4-d128-planes", 8, 4, 32, 2, True),
-    ("k8v4-d128-planes", 8, 4, 32, 2, True), ("k3v3-d128-planes", 4, 8, 32, 3, True),
-    ("k3v4-d128-planes", 4, 4, 32, 2, False), ("k8v4-d128-planes", 2, 8, 32, 1, False),  # one warp, 16 columns
-    ("k8v4-d128", 4, 4, 32, 2, False), ("k8v4-d128", 2, 8, 64, 1, False),  # slots: fp8 keys
-    ("k3v4-d128", 4, 4, 32, 2, False), ("k4v4-d128", 2, 8, 64, 3, False), ("k3v3-d128", 3, 4, 32, 2, False),  # MSE
+COMPILE_CASES = [  # (config stem, q_len, group_size, block_kv, stages)
+    ("k3v4-d128-planes", 4, 4, 32, 2), ("k3v4-d128-planes", 2, 4, 64, 1), ("k3v3-d128-planes", 3, 4, 32, 2),
+    ("k4v4-d128-planes", 8, 1, 64, 2), ("k8v4-d128-planes", 2, 8, 32, 1), ("k8v4-d128-planes", 4, 4, 64, 2),
+    ("k3v4-d128-planes", 8, 4, 32, 2), ("k8v4-d128", 4, 4, 32, 2), ("k8v4-d128", 2, 8, 64, 1),  # slots: fp8 keys
+    ("k3v4-d128", 4, 4, 32, 2), ("k4v4-d128", 2, 8, 64, 3), ("k3v3-d128", 3, 4, 32, 2),  # slots: MSE keys (ring)
 ]
 
 
 def test_the_gluon_multi_token_kernel_compiles_for_sm90():
     """Triton's compiler rejects what its interpreter accepts, and Gluon kernels never run on the CPU: each
     case compiles offline, with one m16n8k16 MMA per 16 x 8 x 16 block of the scores and of the output
-    (the columns: q_len x group size rounded up to 8 or 16) in one warp's code, and a ring of `stages` tiles when
-    stages > 1; programs of a warp per 8 columns (planes, more than 8) hold 8 columns a warp, and read the keys
-    and values of every tile from shared memory by ldmatrix."""
+    (the columns: q_len x group size rounded up to 8 or 16), and a ring of `stages` tiles when stages > 1."""
     environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(COMPILE_CASES)],
@@ -449,17 +400,13 @@ def test_the_gluon_multi_token_kernel_compiles_for_sm90():
     assert result.returncode == 0, result.stderr[-3000:]
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(reports) == len(COMPILE_CASES)
-    for (stem, q_len, group_size, block_kv, stages, shared), report in zip(COMPILE_CASES, reports):
-        # the tokens of one program (one warp: 8 x 4 are two programs)
-        columns = min(q_len, (32 if shared else 16) // group_size) * group_size
+    for (stem, q_len, group_size, block_kv, stages), report in zip(COMPILE_CASES, reports):
+        columns = min(q_len, 16 // group_size) * group_size  # the tokens of one program (8 x 4: two programs)
         column_blocks = max(8, 1 << (columns - 1).bit_length()) // 8
-        warps = column_blocks if shared else 1
         # MSE keys in slots: one product more, the squared centroids of the norm correction
         products = 3 if stem in ("k3v4-d128", "k4v4-d128", "k3v3-d128") else 2
-        expected = products * (block_kv // 16) * (128 // 16) * column_blocks // warps
-        assert report["mma"] == expected, (stem, q_len, group_size)
-        assert report["warps"] == warps and (warps == 1 or report["ldmatrix"] > 0)
-        assert (report["shared_bytes"] > 0) == (stages > 1 or warps > 1)
+        assert report["mma"] == products * (block_kv // 16) * (128 // 16) * column_blocks, (stem, q_len, group_size)
+        assert (report["shared_bytes"] > 0) == (stages > 1)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """Time decode_multi at q_len 1, 2, 4 and 8 against decode (CUDA-graph replay), 32/8 heads.
 
     python3 tools/bench_decode_multi.py configs/k3v4-d128-planes.yaml configs/k8v4-d128-planes.yaml [--dot]
-        [--shapes 32x8192] [--q-lens 1 2 4 8] [--launches 32:2:8 32:2:6 ...] [--wide-caps 168 128] [--shared]
+        [--shapes 32x8192] [--q-lens 1 2 4 8] [--launches 32:2:8 32:2:6 ...] [--wide-caps 168 128]
 
 Each row: the call's median time, as a multiple of decode's (one query token, its own launch) and against
 q_len separate decode calls. Issue 21's targets: q_len 4 <= 1.25x decode, q_len 8 <= 1.6x, q_len 4 >= 3x
@@ -9,9 +9,7 @@ faster than 4 calls. --launches times decode_multi at each launch (BLOCK_KV:STAG
 the one it picks itself ("auto"); --dot also times each q_len with stage 1 held to the tl.dot kernel
 (MMA_STAGE1 off: what decode_multi ran before its Gluon kernel); --wide-caps times the Gluon kernel of more
 than 8 MMA columns (q_len x heads: 4 x 4 and up) under each register cap in turn (the maxnreg that
-`_mma_stage1_options` gives it, replaced here; 168 is the shipped one), decode's own kernel untouched;
---shared times the planes Gluon kernel past 8 columns both ways: one warp holding every column (up to 16), and a warp
-per 8 columns sharing each decoded tile (up to 32; `_MULTI_MMA_SHARED`), each at its own launch.
+`_mma_stage1_options` gives it, replaced here; 168 is the shipped one), decode's own kernel untouched.
 Prints one table at the end.
 """
 import argparse
@@ -41,8 +39,6 @@ def main():
                         help="also time decode_multi at these launches")
     parser.add_argument("--wide-caps", nargs="+", type=int, default=[], metavar="REGISTERS",
                         help="time the kernel of more than 8 columns under each of these register caps")
-    parser.add_argument("--shared", action="store_true",
-                        help="time programs past 8 columns as one warp and as a warp per 8 columns (planes)")
     args = parser.parse_args()
     launches = [("auto", {})] + [(text, parse_launch(text)) for text in args.launches]
     rows = []
@@ -74,20 +70,13 @@ def main():
             picked = module.decode_launch(batch, 8, 4, context, problem["cache"].device)
             print(f"{config.name} {shape}: decode {base:.1f} us at {picked}", flush=True)
             shipped = getattr(module, "MMA_STAGE1", None)
-            shipped_shared = getattr(module, "_MULTI_MMA_SHARED", None)
             paths = [("Gluon", shipped)] + ([("tl.dot", False)] if args.dot and shipped is not None else [])
-            if args.shared and shipped_shared is not None:  # the shipped choice first, then the other one
-                paths.append(("Gluon " + ("one-warp" if shipped_shared else "shared"), not shipped_shared))
             for q_len in args.q_lens:
                 q = torch.randn(batch, q_len, 32, 128, device="cuda", dtype=q1.dtype)
                 out = torch.empty_like(q)
                 for label, mma in paths:
                     timed = ([(name, launch, cap) for name, launch in launches for cap in caps] if label == "Gluon"
                              else [launches[0] + (None,)])
-                    if shipped_shared is not None:  # --shared's row: the other way of programs past 8 columns
-                        other = label.startswith("Gluon ")
-                        module._MULTI_MMA_SHARED = not shipped_shared if other else shipped_shared
-                        mma = shipped if other else mma
                     for launch_name, launch, cap in timed:
                         module._mma_stage1_options = capped_options(cap)
                         if cap is not None:
@@ -106,8 +95,6 @@ def main():
                               .format(*row), flush=True)
                 if shipped is not None:
                     module.MMA_STAGE1 = shipped
-                if shipped_shared is not None:
-                    module._MULTI_MMA_SHARED = shipped_shared
                 module._mma_stage1_options = shipped_options
     print("\n| config | batch x context | q_len | stage 1, launch | us | x decode's time | x faster than q_len "
           "decode calls |")

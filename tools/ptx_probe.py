@@ -114,22 +114,14 @@ def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_lau
 
 
 def compile_multi_stage1_mma(module, block_kv: int, group_size: int, q_len: int, dependent_launch: bool = False,
-                             stages: int = 1, shared: bool | None = None):
+                             stages: int = 1):
     """The Gluon stage 1 of decode_multi (tq_decode_multi_stage1_mma) with the constants decode_multi gives it:
-    the query tokens that fit in one program's MMA columns (query tokens x heads). shared: programs of a warp
-    per 8 columns sharing each decoded tile (planes; None: as the module decides)."""
+    the query tokens that fit in 16 MMA columns (query tokens x heads) per program."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    shared_tiles = hasattr(module, "_multi_mma_shared")
-    if shared is None:
-        shared = shared_tiles and module._multi_mma_shared()
-    constants = module._multi_mma_constants(block_kv, group_size, q_len, dependent_launch, stages, True, shared)
+    constants = module._multi_mma_constants(block_kv, group_size, q_len, dependent_launch, stages)
     cache_constants, aligned = _slots_cache_specialization(module, head_major=True)
-    columns = constants["TOKENS_PER_PROGRAM"] * group_size
-    if "SHARED_WARPS" in constants:
-        options = dict(module._multi_mma_options(block_kv, columns, constants["SHARED_WARPS"]))
-    else:
-        options = dict(module._mma_stage1_options(block_kv, columns))
+    options = dict(module._mma_stage1_options(block_kv, constants["TOKENS_PER_PROGRAM"] * group_size))
     return _compile_sm90(module.tq_decode_multi_stage1_mma, {**constants, **cache_constants}, POINTER_TYPES, aligned,
                          options.pop("num_warps"), 1, GluonASTSource, **options)
 
