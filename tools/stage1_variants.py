@@ -19,6 +19,9 @@ plan.STAGE1_VARIANTS), not by editing rendered text:
 - split_warps1, split_warps2, split_warps4 (right results): the kernel's body as 1, 2 or 4 one-warp workers a CTA
                 (gl.warp_specialize) on consecutive splits of one (sequence, KV head), their partials merged in
                 shared memory by the CTA's 4 other warps; the launch's split count counts the workers' splits.
+- prefetch_next (right results; 1 stage): each tile's block ids read one loop pass ahead, and its pages' 128-byte
+                lines requested into L2 then (prefetch.global.L2, one line a lane), the first tile's before the
+                query's load and rotation: what a lone warp's chain of loads at small batches gains from it.
 Each is timed as a whole decode call (CUDA-graph replay, the shipped launch of the shape, the same random
 cache), with the copy ceiling measured in the same run: load_only and compute_only with their words loaded
 where used (num_stages 1), the others with the launch's stages; the first column times the shipped launch as
@@ -67,7 +70,7 @@ def compile_only(configs) -> None:
 
 
 # The variants without a ring (their loads are where they are used, or gone); the others run the launch's stages.
-ONE_STAGE_VARIANTS = ("load_only", "compute_only")
+ONE_STAGE_VARIANTS = ("load_only", "compute_only", "prefetch_next")
 
 
 def _stages_label(variant):
