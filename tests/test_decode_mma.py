@@ -873,7 +873,8 @@ def test_mma_decode_replays_in_a_cuda_graph(build_module, monkeypatch, preset, n
 def test_stage1_variants_render_only_when_asked_and_only_for_the_gluon_kernel_with_mse_keys():
     config = make_config("k3v4", cache_layout="planes", arch="sm90")
     assert render.render(config) == render.render(config, stage1_variant="shipped")
-    for variant in ("load_only", "compute_only", "pair_table", "extra_alu", "extra_fma", "split_warps2", "prefetch_next"):
+    for variant in ("load_only", "compute_only", "pair_table", "extra_alu", "extra_fma", "split_warps2", "prefetch_next",
+                    "vector_partials"):
         source = render.render(config, stage1_variant=variant)
         assert "EXPERIMENT" in source and source != render.render(config)
     with pytest.raises(ValueError, match="split 3-bit keys only"):
@@ -905,7 +906,8 @@ for variant, module in stage1_variants.variant_modules(config, tempfile.mkdtemp(
         print(json.dumps(dict(variant=name, mma=text.count("mma.sync.aligned"), loads=text.count("ld.global"),
                               table_loads=text.count("ld.shared.b32 "), permutes=text.count("prmt.b32"),
                               logic=text.count("lop3.b32"), fma=text.count("fma.rn.f32"),
-                              prefetch=text.count("prefetch.global.L2"))))
+                              prefetch=text.count("prefetch.global.L2"),
+                              vector_stores=text.count("st.global.v4"))))
 """
 
 
@@ -915,7 +917,8 @@ def test_stage1_variants_compile_and_keep_what_they_claim():
     32-token tile) in place of the key lookups' byte permutes (offline sm90 compiles, in a process without the
     interpreter). split_warps2 holds two whole copies of the kernel's body (one per worker partition: the code
     size that made 4 workers slow, docs/limits.md) and the merge loads nothing. prefetch_next keeps the shipped
-    kernel's MMAs and adds L2 prefetches of a tile's 2 pages (one line of each a lane) before the loop and in it."""
+    kernel's MMAs and adds L2 prefetches of a tile's 2 pages (one line of each a lane) before the loop and in it;
+    vector_partials stores out^T 16 bytes at a time (8 stores a lane for 128 head dims x 8 columns)."""
     environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     result = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT], cwd=REPO, env=environment, capture_output=True,
@@ -940,6 +943,8 @@ def test_stage1_variants_compile_and_keep_what_they_claim():
     prefetch = report["prefetch_next"]
     assert prefetch["mma"] == report["shipped"]["mma"] and prefetch["permutes"] == report["shipped"]["permutes"]
     assert prefetch["prefetch"] == 2 * 2 and report["shipped"]["prefetch"] == 0
+    assert report["vector_partials"]["vector_stores"] == 8 and report["shipped"]["vector_stores"] == 0
+    assert report["vector_partials"]["mma"] == report["shipped"]["mma"]
     # split_warps2 against the shipped kernel compiled alike (it rotates the query in stage 1).
     rotating = report["shipped_rotating"]
     assert {key: report["split_warps2"][key] for key in ("mma", "loads")} == {
