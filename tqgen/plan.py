@@ -63,8 +63,7 @@ def next_power_of_two(n: int) -> int:
 # consecutive splits of one (sequence, KV head), whose partials the CTA's 4 other warps merge in shared memory (the
 # small-batch design of docs/limits.md; decode/stage1_mma_split_warps.jinja). Modules render "shipped".
 STAGE1_VARIANTS = ("shipped", "load_only", "compute_only", "pair_table", "pair_table16", "extra_alu", "extra_fma",
-                   "split_warps1", "split_warps2", "split_warps4", "prefetch_next",
-                   "vector_partials")
+                   "split_warps1", "split_warps2", "split_warps4", "prefetch_next", "vector_partials")
 # Instructions per tile that the extra_alu / extra_fma variants add (4 independent chains of 20).
 EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS = 4, 20
 
