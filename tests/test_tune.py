@@ -26,8 +26,16 @@ pytestmark = pytest.mark.skipif(not INTERPRET, reason="CPU tuning runs under the
 REPO = Path(__file__).resolve().parent.parent
 FINGERPRINT = {"device_name": "Test GPU", "compute_capability": "9.0", "sm_count": 4,
                "triton_version": triton.__version__, "torch_version": torch.__version__.split("+")[0]}
-SPACE = tuner.SearchSpace(block_kv=(32, 64), num_warps=(1,), num_stages=(1,), num_splits=(1, 2))
+# Stage 2 alone merges the splits: these tests' tunes take half as long on the interpreter, and
+# test_a_small_batch_bucket_times_both_merges_and_bakes_the_choice times the other way.
+SPACE = tuner.SearchSpace(block_kv=(32, 64), num_warps=(1,), num_stages=(1,), num_splits=(1, 2),
+                          merge_in_stage1=(False,))
 BUCKETS = [(2, 2, 200), (2, 1, 100)]  # -> g2_b2_t256 and g2_b1_t256
+
+
+def candidates(module, batch):
+    """SPACE's candidates as the tuner times them at this batch."""
+    return SPACE.candidates(tuner.rotations(module, batch), tuner.merges(module, batch, SPACE.merge_in_stage1))
 
 
 def cpu_timer(fn):
@@ -62,7 +70,7 @@ def test_bucket_keys_round_up_to_powers_of_two():
 
 
 def test_tune_writes_metadata_and_every_candidate(setup, tmp_path):
-    config, _ = setup
+    config, module = setup
     path, lines = run_tune(setup, tmp_path)
     assert path == tmp_path / "Test_GPU" / f"{config.artifact_name()}.json"
     document = json.loads(path.read_text())
@@ -72,7 +80,8 @@ def test_tune_writes_metadata_and_every_candidate(setup, tmp_path):
     assert metadata["device_name"] == "Test GPU" and metadata["sm_count"] == 4 and metadata["date"]
     assert list(document["buckets"]) == ["g2_b1_t256", "g2_b2_t256"]
     for entry in document["buckets"].values():
-        assert set(entry["timings_us"]) | set(entry["rejected"]) == {tuned_files.candidate_id(c) for c in SPACE.candidates()}
+        expected = {tuned_files.candidate_id(c) for c in candidates(module, 2)}
+        assert set(entry["timings_us"]) | set(entry["rejected"]) == expected
         assert not entry["rejected"]
         best = tuned_files.candidate_id(entry["best"])
         assert entry["timings_us"][best] == min(entry["timings_us"].values()) == entry["best_us"]
@@ -101,7 +110,7 @@ def test_a_killed_run_keeps_the_buckets_it_finished(setup, tmp_path):
 
     def dying_timer(fn):
         calls["n"] += 1
-        if calls["n"] > len(SPACE.candidates()):  # the first bucket finished, the second dies
+        if calls["n"] > len(candidates(setup[1], 2)):  # the first bucket finished, the second dies
             raise KeyboardInterrupt
         return cpu_timer(fn)
 
@@ -205,7 +214,8 @@ def test_each_bucket_is_checked_on_the_same_seeded_data_without_touching_the_glo
         return original(query, cache, *args, **kwargs)
 
     monkeypatch.setattr(module, "decode", recording)
-    one_launch = tuner.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(1,))
+    one_launch = tuner.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(1,),
+                                   merge_in_stage1=(False,))
     torch.manual_seed(123)
     state = torch.get_rng_state()
     for _ in range(2):
@@ -292,7 +302,8 @@ def test_a_rotating_config_times_both_ways_up_to_the_batch_rule_and_bakes_the_ch
     module = emit.load(config, tmp_path / "modules")
     limit = module._ROTATE_QUERY_MAX_BATCH
     assert tuner.rotations(module, limit) == (True, False) and tuner.rotations(module, limit + 1) == (None,)
-    space = tuner.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(1, 2))
+    space = tuner.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(1, 2),
+                              merge_in_stage1=(False,))
     path = tuner.tune(config, module, [(4, 1, 100)], space, root=tmp_path, fingerprint=FINGERPRINT, timer=cpu_timer,
                       num_kv_heads=1, device="cpu", progress=lambda line: None)
     document = json.loads(path.read_text())
@@ -310,6 +321,38 @@ def test_a_rotating_config_times_both_ways_up_to_the_batch_rule_and_bakes_the_ch
     assert baked_module.query_rotated_in_stage1(1, 4, 256, gpu) is False  # the tuned bucket's choice
     assert baked_module.query_rotated_in_stage1(2, 4, 256, gpu) is True  # untuned: the batch rule
     assert baked_module.query_rotated_in_stage1(1, 4, 256, gpu, tuned=False) is True  # the heuristic's choice
+
+
+def test_a_small_batch_bucket_times_both_merges_and_bakes_the_choice(setup, tmp_path, monkeypatch):
+    """Up to _MERGE_IN_STAGE1_MAX_BATCH sequences each launch is timed with its splits merged by stage 2 and by
+    stage 1 itself (ids _ms); the best's choice is baked as the launch's sixth field (after rotate_query, None
+    where the config has no such choice): merged_in_stage1 (decode's choice when merge_in_stage1 is not passed)
+    follows it, decode_launch keeps to the four launch fields, and larger batches time stage 2 only."""
+    config, module = setup
+    limit = module._MERGE_IN_STAGE1_MAX_BATCH
+    assert tuner.merges(module, limit) == (False, True) and tuner.merges(module, limit + 1) == (None,)
+    assert tuner.merges(module, 1, (False,)) == (None,)  # stage 2 alone: no field, decode's own choice
+    space = tuner.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(1, 2))
+    path = tuner.tune(config, module, [(2, 1, 100), (2, limit + 1, 100)], space, root=tmp_path,
+                      fingerprint=FINGERPRINT, timer=cpu_timer, num_kv_heads=1, device="cpu",
+                      progress=lambda line: None)
+    document = json.loads(path.read_text())
+    entry = document["buckets"]["g2_b1_t256"]
+    assert set(entry["timings_us"]) == {f"kv32_w1_st1_sp{s}{m}" for s in (1, 2) for m in ("", "_ms")}
+    assert not entry["rejected"] and isinstance(entry["best"]["merge_in_stage1"], bool)
+    large = document["buckets"][bucket_key(2, limit + 1, 100)]
+    assert set(large["timings_us"]) == {"kv32_w1_st1_sp1", "kv32_w1_st1_sp2"} and "merge_in_stage1" not in large["best"]
+
+    entry["best"] = dict(block_kv=32, num_warps=1, num_stages=1, num_splits=2, merge_in_stage1=True)
+    path.write_text(json.dumps(document))
+    baked_module = emit.load(config, tmp_path / "out", tmp_path)
+    assert baked_module.TUNED_LAUNCHES["Test GPU"]["buckets"]["g2_b1_t256"] == (32, 1, 1, 2, None, True)
+    monkeypatch.setattr(baked_module.torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    gpu = torch.device("cuda", 0)
+    assert baked_module.decode_launch(1, 1, 2, 256, gpu) == (32, 1, 1, 2)
+    assert baked_module.merged_in_stage1(1, 2, 256, gpu) is True  # the tuned bucket's choice
+    assert baked_module.merged_in_stage1(2, 2, 256, gpu) is False  # untuned: stage 2
+    assert baked_module.merged_in_stage1(1, 2, 256, torch.device("cpu")) is False  # no tuned launches off CUDA
 
 
 def test_decode_follows_query_rotated_in_stage1_where_rotate_query_is_not_passed(monkeypatch, tmp_path):
@@ -664,7 +707,7 @@ def test_screening_retimes_only_the_finalists_and_keeps_the_fastest(setup):
 
     entry = tuner.tune_bucket(module, config, 2, 1, 100, SPACE, timer=timer, screen_timer=screen_timer,
                               num_kv_heads=1, device="cpu")
-    ids = [tuned_files.candidate_id(launch) for launch in SPACE.candidates()]
+    ids = [tuned_files.candidate_id(launch) for launch in candidates(module, 1)]
     assert len(screen_calls) == 4 and final_calls == screen_calls[:2]
     assert entry["retimed"] == ids[:2]
     assert entry["timings_us"] == {ids[1]: 9000.0, ids[0]: 11000.0, ids[2]: 12000.0, ids[3]: 30000.0}

@@ -395,6 +395,9 @@ def test_decode_views_of_vllms_buffers_are_built_once_per_buffer_and_shape(monke
     assert other is not first and other.partial_out.shape == (2, 8, 3, 128)
     assert other.partial_out.data_ptr() == first.partial_out.data_ptr() == mid_o_buf.data_ptr()
     assert output(output_buf, 2).shape == (2, 8, 128)
+    # decode's merge in stage 1 counts in zeros of tqgen's own, one per row of the buffer, shared by its calls.
+    assert other.split_counters is first.split_counters and first.split_counters.dtype == torch.int32
+    assert first.split_counters.numel() == 4 * 8 and not first.split_counters.any()
     new_mid, new_out = torch.empty_like(mid_o_buf), torch.empty_like(output_buf)
     fresh, fresh_out = workspace(new_mid, 3), output(new_out, 3)
     assert fresh.partial_out.data_ptr() == new_mid.data_ptr() and fresh_out.data_ptr() == new_out.data_ptr()
@@ -402,7 +405,8 @@ def test_decode_views_of_vllms_buffers_are_built_once_per_buffer_and_shape(monke
     assert all(view is not first for view in vllm._buffer_views["workspace"][1].values())
     # A buffer too small for the call is not used, and nothing is held for it.
     small = torch.empty(1, 8, 4, 129)
-    assert workspace(small, 3).partial_out.data_ptr() != small.data_ptr()
+    unheld = workspace(small, 3)
+    assert unheld.partial_out.data_ptr() != small.data_ptr() and unheld.split_counters.numel() == 3 * 8
     assert vllm._buffer_views["workspace"][0] is new_mid
 
 

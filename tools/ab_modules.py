@@ -2,6 +2,7 @@
 
     python3 tools/ab_modules.py CONFIG OLD.py NEW.py [...] [--shapes 32x16384 8x8192]
                                 [--launches 32:2:8 64:2:16 ...] [--q-heads 32] [--rotate-query stage1|prepare]
+                                [--merge-in-stage1]
 
 Each module file is a rendering of CONFIG for the GPU's arch (of other git refs: `python3 tools/render_refs.py
 CONFIG main BRANCH`, then carry out/ab to the GPU machine). Every module decodes the same random full-length problem (32 query / 8
@@ -10,7 +11,8 @@ tuned or heuristic launch), as a whole call in CUDA-graph replay (median), with 
 the same run; outputs must agree with the first module's to fp16 rounding (the last column). Planes MSE
 modules choose where the query is rotated from their own tuned files unless --rotate-query pins it (stage1: in
 stage 1; prepare: tq_prepare_query first): a module whose tuned files are stale takes the heuristic's choice,
-so pin it when comparing such a module at batch <= 8. Prints one
+so pin it when comparing such a module at batch <= 8. --merge-in-stage1 times each module twice, its splits merged
+by stage 2 and then by stage 1 itself (decode's merge_in_stage1; one module: the two ways side by side). Prints one
 table: what a change to the kernels buys, before any re-tune (one module: its launches side by side).
 """
 
@@ -32,6 +34,8 @@ def main() -> None:
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--rotate-query", choices=["stage1", "prepare"],
                         help="pin where planes MSE modules rotate the query (default: each module's own choice)")
+    parser.add_argument("--merge-in-stage1", action="store_true",
+                        help="time each module with its splits merged by stage 2, then by stage 1 itself")
     args = parser.parse_args()
 
     import torch
@@ -41,12 +45,15 @@ def main() -> None:
     from tqgen.tuned_files import LAUNCH_FIELDS
 
     config = config_mod.resolve_arch(config_mod.load(args.config), None)
-    modules = [(os.path.basename(path), emit.import_module_file(path)) for path in args.modules]
+    modules = [(os.path.basename(path), emit.import_module_file(path), {}) for path in args.modules]
+    if args.merge_in_stage1:
+        modules = [(f"{name} {label}", module, dict(merge_in_stage1=merge)) for name, module, _ in modules
+                   for label, merge in (("stage 2", False), ("merged", True))]
     ceiling = bench.copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s on {torch.cuda.get_device_name()}, triton {triton.__version__}; "
           f"{args.q_heads} query / 8 KV heads, graph replay")
-    ratios = [f"{name} / {modules[0][0]}" for name, _ in modules[1:]]
-    print("| batch x context | launch | " + " | ".join([f"{name} us" for name, _ in modules] + ratios)
+    ratios = [f"{name} / {modules[0][0]}" for name, _, _ in modules[1:]]
+    print("| batch x context | launch | " + " | ".join([f"{name} us" for name, _, _ in modules] + ratios)
           + " | % of ceiling (last) | max error against the first |")
     print("|---|---|" + "---|" * (2 * len(modules) + 1))
     first = modules[0][1]
@@ -64,16 +71,17 @@ def main() -> None:
         rotation = {} if args.rotate_query is None else dict(rotate_query=args.rotate_query == "stage1")
         for launch in launches:
             times, outputs = [], []
-            for _, module in modules:
+            for _, module, merge in modules:
                 out = torch.empty_like(problem["query"])
 
                 # Each module's own codebook tensors: a planes MSE module rotates the query in stage 1 only with its
                 # own default rotation (the very tensor), and takes another module's for a caller's matrix.
                 codebook = testing.codebook_kwargs(module, "cuda")
 
-                def call(module=module, out=out, codebook=codebook):
+                def call(module=module, out=out, codebook=codebook, merge=merge):
                     module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"],
-                                  out=out, workspace=workspace, validate=False, **launch, **rotation, **codebook)
+                                  out=out, workspace=workspace, validate=False, **launch, **rotation, **merge,
+                                  **codebook)
                 call()
                 torch.cuda.synchronize()
                 outputs.append(out.float().clone())

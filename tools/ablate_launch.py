@@ -36,9 +36,11 @@ from ablate_stage1 import import_source  # noqa: E402  (beside this file)
 
 TRIGGER = "        tl.extra.cuda.gdc_launch_dependents()\n"
 EVERY_BATCH = ("_DEPENDENT_LAUNCH_MAX_BATCH = 1\n", "_DEPENDENT_LAUNCH_MAX_BATCH = 1 << 30\n")
-# The module's decode_multi section renders the same stage-1 template and stage-2 launch again: the
-# edits below are to decode's kernels and launcher, which come before it.
+# The module's sections of stage 1 merging its own splits and of decode_multi render the stage-1 templates (and
+# decode_multi the stage-2 launch) again: the edits below are to decode's kernels and launcher, which come before.
 MULTI_TOKEN_SECTION = "# decode_multi: several query tokens per sequence"
+MERGED_SECTION = "# Stage 1 merging its own splits"
+SECTIONS_AFTER = (MERGED_SECTION, MULTI_TOKEN_SECTION)
 
 
 def _late_trigger(source: str) -> str:
@@ -49,9 +51,7 @@ def _late_trigger(source: str) -> str:
 
 
 def variant(source: str, name: str) -> str:
-    cut = source.find(MULTI_TOKEN_SECTION)
-    if cut < 0:
-        cut = len(source)
+    cut = min([source.find(section) for section in SECTIONS_AFTER if section in source] or [len(source)])
     return _decode_variant(source[:cut], name) + source[cut:]
 
 

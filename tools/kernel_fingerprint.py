@@ -36,7 +36,8 @@ from tqgen import config as config_mod  # noqa: E402
 
 POINTER_TYPES = {"query_ptr": "*fp16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                  "slot_mapping_ptr": "*i64", "key_ptr": "*fp16", "value_ptr": "*fp16", "out_ptr": "*fp16",
-                 "value_out_ptr": "*fp16", "prepared_ptr": "*fp16", "rotation_ptr": "*fp32"}
+                 "value_out_ptr": "*fp16", "prepared_ptr": "*fp16", "rotation_ptr": "*fp32",
+                 "split_counters_ptr": "*i32"}
 FLOAT_ARGS = ("score_scale",)
 
 
@@ -116,6 +117,27 @@ def specializations(module):
                     constants = module._mma_stage1_constants(block_kv, group_size, dependent, stages, rotate_query=True)
                     specs.append((f"stage1_mma_kv{block_kv}_g{group_size}_dep{int(dependent)}_st{stages}_rot1",
                                   module.tq_decode_stage1_mma, constants, warps, 1, GluonASTSource, options))
+    if "tq_decode_stage1_merged" in names:  # stage 1 merging its own splits (decode's merge_in_stage1)
+        for block_kv, warps, stages in ((32, 1, 1), (64, 1, 1), (64, 2, 1), (32, 4, 1)):
+            constants = dict(GROUP_SIZE=4, BLOCK_H=16, BLOCK_KV=block_kv, DEPENDENT_LAUNCH=False, BLOCK_SPLITS=64)
+            if "ROTATE_QUERY" in module.tq_decode_stage1_merged.arg_names:
+                constants["ROTATE_QUERY"] = True
+            specs.append((f"stage1_merged_kv{block_kv}_w{warps}_st{stages}", module.tq_decode_stage1_merged, constants,
+                          warps, stages, ASTSource, {}))
+    if "tq_decode_stage1_mma_merged" in names:
+        for block_kv, group_size, stages in ((32, 4, 1), (32, 4, 2), (64, 1, 2), (32, 8, 1), (32, 16, 2)):
+            if stages < module.MMA_MIN_STAGES:
+                continue
+            keywords = dict(module._mma_stage1_keywords(block_kv, group_size, False, stages, False, block_splits=64))
+            if "TOKEN_STRIDE" in module.tq_decode_stage1_mma_merged.arg_names:
+                keywords["TOKEN_STRIDE"] = module.SLOT_BYTES
+            if "ROTATE_QUERY" in keywords:
+                keywords["ROTATE_QUERY"] = True
+            keywords.pop("launch_pdl")
+            warps = keywords.pop("num_warps")
+            options = {key: keywords.pop(key) for key in list(keywords) if key in ("maxnreg",)}
+            specs.append((f"stage1_mma_merged_kv{block_kv}_g{group_size}_st{stages}",
+                          module.tq_decode_stage1_mma_merged, keywords, warps, 1, GluonASTSource, options))
     for dependent in (False, True):
         specs.append((f"stage2_dep{int(dependent)}", module.tq_decode_stage2,
                       dict(BLOCK_SPLITS=8, DEPENDENT_LAUNCH=dependent), 4, 3, ASTSource, {}))

@@ -10,12 +10,14 @@
 # the tuned files written so far into OUT_DIR/tuned.tar after each config (`tar -xf tuned.tar` in the checkout
 # restores them): a call that runs out of time keeps the configs it finished; "multi" times decode_multi
 # at q_len 1-8 against decode, tools/bench_decode_multi.py, before the benchmark; "host" the host time of eager
-# decode calls, tools/host_overhead.py, through triton's launch path and as shipped, into host.log).
+# decode calls, tools/host_overhead.py, through triton's launch path and as shipped, into host.log; "merge" times
+# stage 1 merging its own splits beside stage 2 at batch 1-8 (tools/ab_modules.py --merge-in-stage1, into
+# merge.log; TQGEN_MERGE_CONFIGS, default k3v4 and k8v4 planes and k3v4 slots).
 # TQGEN_SANITIZE_CONFIGS limits the sanitizers to some configs (default every shipped one, 8 sanitizer processes
 # at a time).
 # OUT_DIR gets these files, by step (the device tool returns no more than 8 from $OUT: every step at once writes 9):
-# pytest-gpu.log, tune.log, tuned.tar, sanitize.log (memcheck then racecheck), multi.log, host.log, bench.log,
-# bench.json, bench.png.
+# pytest-gpu.log, tune.log, tuned.tar, sanitize.log (memcheck then racecheck), multi.log, host.log, merge.log,
+# bench.log, bench.json, bench.png.
 set -u
 out=${1:-${OUT:-/tmp/tqgen-gpu}}
 steps=${TQGEN_GPU_STEPS:-tests sanitize bench}
@@ -66,6 +68,18 @@ if [[ $steps == *multi* ]]; then
     python3 tools/bench_decode_multi.py configs/k8v4-d128-planes.yaml configs/k4v4-d128-planes.yaml \
         configs/k3v4-d128-planes.yaml configs/k3v3-d128-planes.yaml > "$out/multi.log" 2>&1
     rc=$?; grep '^|' "$out/multi.log"; echo "decode_multi bench exit code: $rc"; (( rc )) && status=1
+fi
+if [[ $steps == *merge* ]]; then
+    for config in ${TQGEN_MERGE_CONFIGS:-configs/k3v4-d128-planes.yaml configs/k8v4-d128-planes.yaml \
+                   configs/k3v4-d128.yaml}; do
+        module=$(python3 -c "import sys; from tqgen import emit; print(emit.build(emit.as_config(sys.argv[1]), sys.argv[2]))" \
+                 "$config" "$TQGEN_CACHE_DIR")
+        echo "$config" >> "$out/merge.log"
+        python3 tools/ab_modules.py "$config" "$module" --merge-in-stage1 --launches 32:1:16 32:1:64 32:2:16 \
+            --shapes 1x1024 1x4096 2x1024 4x1024 8x1024 1x16384 >> "$out/merge.log" 2>&1
+        rc=$?; echo "merge A/B $config exit code: $rc"; (( rc )) && status=1
+    done
+    grep -E '^\||^configs' "$out/merge.log"
 fi
 if [[ $steps == *host* ]]; then
     # triton's launch path on every launch first (TQGEN_FAST_LAUNCH=0), then as shipped: both in one session

@@ -5,7 +5,8 @@
 Ragged batches end mid-page, the block table has unused columns, and the
 cache has unused blocks, so any read past a sequence's tokens or write outside
 the given slots shows up as an error; racecheck sees the Gluon stage 1's shared-memory ring (planes, and
-slots with fp8 keys). Besides store, decode and dequantize as an engine calls them: the tensor-core key store
+slots with fp8 keys). Besides store, decode and dequantize as an engine calls them: decode with stage 1 merging its
+splits (merge_in_stage1: its atomic counters, both stage-1 kernels, ring or not), the tensor-core key store
 (its token threshold lowered on the module so this small ragged batch takes it), decode_multi at 3 tokens a
 sequence (validate=False: the sequences of 0 and 1 tokens give zeros for the tokens that see nothing),
 decode_ragged, and dequantize of rotated keys.
@@ -49,6 +50,17 @@ for path in paths:
         for block_kv, stages in ring:
             module.decode(query, ring_cache, batch.block_table, batch.seq_lens, num_splits=3, block_kv=block_kv,
                           num_warps=1, num_stages=stages, **kwargs)
+    # Stage 1 merging its own splits, on the tl.dot kernel (2 warps) and, where it exists, the Gluon one (one warp;
+    # MSE keys in slots through the ring only), with a workspace whose counters every call must leave at zero.
+    merge_workspace = module.DecodeWorkspace(5, 12, 8, "cuda")
+    merge_launches = [dict(block_kv=64, num_warps=2, num_stages=1)]
+    if gluon:
+        merge_launches += [dict(block_kv=32, num_warps=1, num_stages=stages) for stages in {module.MMA_MIN_STAGES, 2}]
+    for launch in merge_launches:
+        for num_splits in (1, 5):
+            module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=num_splits,
+                          workspace=merge_workspace, merge_in_stage1=True, **launch, **kwargs)
+    assert not merge_workspace.split_counters.any(), "a merging decode left a split counter set"
     multi_query = torch.randn(5, 3, 12, config.head_dim, device="cuda", dtype=torch.float16)
     module.decode_multi(multi_query, cache, batch.block_table, batch.seq_lens, validate=False, **kwargs)
     # Ragged: sequences of 1, 3, 2, 3 and 0 query tokens (the last sequence has none, like its cache).
@@ -60,4 +72,5 @@ for path in paths:
         module.dequantize(cache, batch.block_table, batch.seq_lens, rotated_keys=True, **kwargs)
     torch.cuda.synchronize()
     print(f"{path}: store{' (both key kernels)' if hasattr(module, 'tq_store_keys_mma') else ''}, decode (1 and 4 "
-          f"splits{', the ring' if ring else ''}), decode_multi, decode_ragged, dequantize ran", flush=True)
+          f"splits{', the ring' if ring else ''}; stage 1 merging), decode_multi, decode_ragged, dequantize ran",
+          flush=True)

@@ -34,7 +34,7 @@ import torch
 from .config import Config
 from .files import write_atomic
 from .testing import codebook_kwargs, random_problem
-from .tuned_files import LAUNCH_FIELDS, ROTATE_FIELD, candidate_id
+from .tuned_files import LAUNCH_FIELDS, MERGE_FIELD, ROTATE_FIELD, candidate_id
 
 SEED_LAUNCH = dict(num_splits=32, block_kv=32, num_warps=1, num_stages=1)
 VLLM_MAX_KV_SPLITS = 32  # the split cap vLLM's backend passes by default (tq_max_kv_splits_for_cuda_graph)
@@ -123,10 +123,15 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
     call()  # compile and build the per-device rotation/centroids outside any timing
     plain_ms = triton.testing.do_bench(call, return_mode="median")
     default_ms = graph_ms()
-    seed_ms = graph_ms(**SEED_LAUNCH)
+    # The seed's launch and the heuristic's merge the splits in stage 2; decode's, as its shape bucket chose.
+    stage2_merge = {MERGE_FIELD: False} if hasattr(module, "merged_in_stage1") else {}
+    seed_ms = graph_ms(**SEED_LAUNCH, **stage2_merge)
     if hasattr(module, "query_rotated_in_stage1"):  # where stage 1 rotates the query: the tuned choice, or the rule
         used[ROTATE_FIELD] = module.query_rotated_in_stage1(batch, group_size, context, cache.device)
         heuristic[ROTATE_FIELD] = module.query_rotated_in_stage1(batch, group_size, context, cache.device, tuned=False)
+    if stage2_merge:
+        used[MERGE_FIELD] = module.merged_in_stage1(batch, group_size, context, cache.device)
+        heuristic.update(stage2_merge)
     baked = module.TUNED_LAUNCHES.get(torch.cuda.get_device_name(cache.device), {}).get("buckets", {})
     tuned = baked.get(module.bucket_key(group_size, batch, context))
     source = "tuned" if tuned is not None and tuple(tuned)[:4] == tuple(used[f] for f in LAUNCH_FIELDS) else "heuristic"

@@ -53,6 +53,9 @@ LAUNCH_FIELDS = ("block_kv", "num_warps", "num_stages", "num_splits")
 # A launch's optional fifth field, where stage 1 can rotate the query itself (decode's rotate_query): true
 # where it did, false where tq_prepare_query did first. Absent, decode follows its own rule.
 ROTATE_FIELD = "rotate_query"
+# Its optional sixth, up to the module's _MERGE_IN_STAGE1_MAX_BATCH (decode's merge_in_stage1): true where stage 1
+# merged its own splits (one kernel fewer), false where stage 2 did. Absent, stage 2 merges.
+MERGE_FIELD = "merge_in_stage1"
 LOCK_TIMEOUT_S = 60.0
 
 
@@ -97,15 +100,20 @@ def tuned_path(root: str | os.PathLike, device_name: str, config: Config) -> Pat
 
 def candidate_id(launch: dict[str, int]) -> str:
     """kv64_w1_st2_sp16, with _rq (stage 1 rotates the query) or _pq (tq_prepare_query first) where the
-    launch says which."""
+    launch says which, then _ms where stage 1 merges the splits (stage 2 merging them adds nothing)."""
     name = "kv{block_kv}_w{num_warps}_st{num_stages}_sp{num_splits}".format(**launch)
     rotate = launch.get(ROTATE_FIELD)
-    return name if rotate is None else name + ("_rq" if rotate else "_pq")
+    name = name if rotate is None else name + ("_rq" if rotate else "_pq")
+    return name + "_ms" if launch.get(MERGE_FIELD) else name
 
 
 def baked_launch(best: dict) -> tuple:
-    """A bucket's best launch as a module bakes it: the LAUNCH_FIELDS, then the ROTATE_FIELD if it has one."""
-    return tuple(best[f] for f in LAUNCH_FIELDS) + ((best[ROTATE_FIELD],) if ROTATE_FIELD in best else ())
+    """A bucket's best launch as a module bakes it: the LAUNCH_FIELDS, then the ROTATE_FIELD if it has one; with
+    a MERGE_FIELD, the ROTATE_FIELD or None and then the MERGE_FIELD."""
+    launch = tuple(best[f] for f in LAUNCH_FIELDS)
+    if MERGE_FIELD in best:
+        return launch + (best.get(ROTATE_FIELD), best[MERGE_FIELD])
+    return launch + ((best[ROTATE_FIELD],) if ROTATE_FIELD in best else ())
 
 
 class Unusable(Exception):
@@ -145,7 +153,7 @@ def _read_document(path: Path, expected: dict[str, Any], fields: tuple[str, ...]
     for key, entry in document["buckets"].items():
         best = entry.get("best") if isinstance(entry, dict) else None
         if not (isinstance(best, dict) and all(isinstance(best.get(f), int) for f in LAUNCH_FIELDS)
-                and isinstance(best.get(ROTATE_FIELD, False), bool)):
+                and isinstance(best.get(ROTATE_FIELD, False), bool) and isinstance(best.get(MERGE_FIELD, False), bool)):
             raise Unusable(f"{path}: bucket {key!r} has no valid 'best' launch")
     return document
 

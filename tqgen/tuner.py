@@ -53,14 +53,19 @@ class SearchSpace:
     num_stages: tuple[int, ...] = (1, 2)
     # 128: it won batch 1 x 65536 for the MSE planes presets; 256 lost everywhere (docs/tuning.md).
     num_splits: tuple[int, ...] = (4, 8, 16, 32, 64, 128)
+    # How each launch merges its splits, up to a module's _MERGE_IN_STAGE1_MAX_BATCH sequences (merges()): False
+    # by stage 2, True by stage 1 itself (decode's merge_in_stage1). (False,) times stage 2 alone there too.
+    merge_in_stage1: tuple[bool, ...] = (False, True)
 
-    def candidates(self, rotations: tuple = (None,)) -> list[dict]:
+    def candidates(self, rotations: tuple = (None,), merges: tuple = (None,)) -> list[dict]:
         """Every launch of the space, each once per entry of rotations (True, False: with decode's
-        rotate_query set so; None: without it)."""
+        rotate_query set so; None: without it) and of merges (decode's merge_in_stage1 likewise)."""
         launches = [dict(zip(tuned_files.LAUNCH_FIELDS, values))
                     for values in itertools.product(self.block_kv, self.num_warps, self.num_stages, self.num_splits)]
-        return [launch if rotate is None else {**launch, tuned_files.ROTATE_FIELD: rotate}
-                for rotate in rotations for launch in launches]
+        with_rotation = [launch if rotate is None else {**launch, tuned_files.ROTATE_FIELD: rotate}
+                         for rotate in rotations for launch in launches]
+        return [launch if merge is None else {**launch, tuned_files.MERGE_FIELD: merge}
+                for merge in merges for launch in with_rotation]
 
 
 def rotations(module: ModuleType, batch: int) -> tuple:
@@ -69,6 +74,15 @@ def rotations(module: ModuleType, batch: int) -> tuple:
     elsewhere decode has one way."""
     if hasattr(module, "query_rotated_in_stage1") and batch <= module._ROTATE_QUERY_MAX_BATCH:
         return (True, False)
+    return (None,)
+
+
+def merges(module: ModuleType, batch: int, ways: tuple = (False, True)) -> tuple:
+    """Up to the module's _MERGE_IN_STAGE1_MAX_BATCH sequences each of `ways` to merge the splits is timed (False:
+    stage 2, True: stage 1 itself, decode's merge_in_stage1) and the bucket's winner decides; above, and where
+    `ways` is stage 2 alone, decode's own choice (stage 2) with no field in the tuned launch."""
+    if tuple(ways) != (False,) and hasattr(module, "merged_in_stage1") and batch <= module._MERGE_IN_STAGE1_MAX_BATCH:
+        return tuple(ways)
     return (None,)
 
 
@@ -139,7 +153,7 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
                                 check["seq_lens"], setup["codebook"].get("rotation"), setup["codebook"].get("centroids"))
     limit = DECODE_TOLERANCE[torch.float16]
     timings, rejected, calls = {}, {}, {}
-    launches = {tuned_files.candidate_id(launch): launch for launch in space.candidates(rotations(module, batch))}
+    launches = {tuned_files.candidate_id(launch): launch for launch in space.candidates(rotations(module, batch), merges(module, batch, space.merge_in_stage1))}
     for name, launch in launches.items():
         try:
             run_check, call = _candidate_calls(module, setup, launch)
@@ -202,7 +216,7 @@ def _compile_class(module_file: str, config: Config, group_size: int, batch: int
     setup = _bucket_problem(module, config, group_size, batch, context, num_kv_heads, max(space.num_splits),
                             device)
     failed = 0
-    for launch in space.candidates(rotations(module, batch)):
+    for launch in space.candidates(rotations(module, batch), merges(module, batch, space.merge_in_stage1)):
         try:
             for run in _candidate_calls(module, setup, launch):
                 run()

@@ -486,9 +486,24 @@ def _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_di
         mid_o_buf = torch.empty(batch, num_q_heads, max_splits, head_dim + 1, dtype=torch.float32, device=device)
         if buf_holder is not None:
             buf_holder._tq_mid_o_buf = mid_o_buf
-        return _carve_workspace(module, mid_o_buf, batch, num_q_heads, head_dim, num_splits, device, needs_query)
+        workspace = _carve_workspace(module, mid_o_buf, batch, num_q_heads, head_dim, num_splits, device, needs_query)
+        workspace.split_counters = torch.zeros(batch * num_q_heads, dtype=torch.int32, device=device)
+        return workspace
     workspace = _carve_workspace(module, mid_o_buf, batch, num_q_heads, head_dim, num_splits, device, needs_query)
+    workspace.split_counters = _split_counters(mid_o_buf, device)
     return _hold_view("workspace", mid_o_buf, view_key, workspace)
+
+
+def _split_counters(mid_o_buf, device):
+    """The int32 zeros of decode's merge in stage 1 (DecodeWorkspace.split_counters), one per row of mid_o_buf's
+    first two dims, held with that buffer: every call leaves them zero, so one tensor serves every call and graph
+    replay over it. vLLM's buffers hold whatever they held before; this one is tqgen's."""
+    key = ("counters", device)
+    counters = _held_view("counters", mid_o_buf, key)
+    if counters is None:
+        rows = mid_o_buf.shape[0] * mid_o_buf.shape[1]
+        counters = _hold_view("counters", mid_o_buf, key, torch.zeros(rows, dtype=torch.int32, device=device))
+    return counters
 
 
 def _carve_workspace(module, mid_o_buf, batch, num_q_heads, head_dim, num_splits, device, needs_query):
