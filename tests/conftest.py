@@ -6,7 +6,11 @@ triton). With CUDA, run them with `pytest -m gpu`: the same tests then launch
 the compiled kernels on the GPU.
 """
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +44,17 @@ PRESETS = {
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+def offline_compile_reports(*args, timeout=900):
+    """Run `python3 ARGS` in the repository without the interpreter (triton then compiles for a GPU target offline
+    and launches nothing) and return the JSON objects it printed, one a line; fail with its stderr if it failed."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what triton 3.9 assumes, without its warning
+    result = subprocess.run([sys.executable, *args], cwd=Path(__file__).resolve().parent.parent, env=environment,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
 def make_config(preset: str, head_dim: int = 128, **overrides) -> config_mod.Config:

@@ -7,15 +7,12 @@ in the GPU tests (`pytest -m gpu`): numerics, the same bits over repeated calls,
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import HAS_CUDA, KernelRecorder, check_decode, codebook_kwargs, make_config, replays_of_a_capture
+from conftest import (HAS_CUDA, KernelRecorder, check_decode, codebook_kwargs, make_config, offline_compile_reports,
+                      replays_of_a_capture)
 from tqgen import reference
 from tqgen.layout import Layout
 from tqgen.testing import relative_error
@@ -138,13 +135,7 @@ def test_the_merging_kernels_compile_for_sm90():
     """Each merging kernel arrives (one lane's acq_rel atomic, after a barrier of the program's threads) and resets
     its counter at each of its arrival sites, reads the partials through L2 16 bytes a lane, and never lets a
     dependent kernel start early (nothing after it waits for it in this call)."""
-    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(COMPILE_CASES)],
-                            cwd=Path(__file__).resolve().parent.parent, env=environment, capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(COMPILE_CASES))
     assert len(reports) == len(COMPILE_CASES)
     for case, report in zip(COMPILE_CASES, reports):
         sites = ARRIVAL_SITES[case[1].split("_kv")[0]]

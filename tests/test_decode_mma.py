@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import (HAS_CUDA, PRESETS, KernelRecorder, check_decode, codebook_kwargs, make_config,
-                      position_major_cache, stored_cache)
+                      offline_compile_reports, position_major_cache, stored_cache)
 from tqgen import reference, render, tuner
 from tqgen.layout import Layout
 from tqgen.plan import EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS, Plan
@@ -201,12 +201,7 @@ for preset, head_dim, page, block_kv, group_size, norm_correction, stages, *rest
 
 @pytest.fixture(scope="module")
 def compiled_cases():
-    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what triton 3.9 assumes, without its warning
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps([PRESETS, COMPILE_CASES])], cwd=REPO,
-                            env=environment, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps([PRESETS, COMPILE_CASES]), timeout=600)
     assert len(reports) == len(COMPILE_CASES)
     return dict(zip(COMPILE_CASES, reports))
 
@@ -919,12 +914,7 @@ def test_stage1_variants_compile_and_keep_what_they_claim():
     size that made 4 workers slow, docs/limits.md) and the merge loads nothing. prefetch_next keeps the shipped
     kernel's MMAs and adds L2 prefetches of a tile's 2 pages (one line of each a lane) before the loop and in it;
     vector_partials stores out^T 16 bytes at a time (8 stores a lane for 128 head dims x 8 columns)."""
-    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    result = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT], cwd=REPO, env=environment, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = {row["variant"]: row for row in map(json.loads, (l for l in result.stdout.splitlines() if l.startswith("{")))}
+    report = {row["variant"]: row for row in offline_compile_reports("-c", _VARIANT_SCRIPT, timeout=600)}
     assert report["shipped"]["mma"] == report["compute_only"]["mma"] > 0 and report["load_only"]["mma"] == 0
     loop_loads = report["shipped"]["loads"] - report["compute_only"]["loads"]  # compute_only: the prologue's only
     assert loop_loads > 0 and report["load_only"]["loads"] >= loop_loads

@@ -3,16 +3,12 @@ reference (one single-token decode per query token on the sequence cut to that t
 single-token decode it must equal at q_len 1. The CPU runs a subset; the GPU (`pytest -m gpu`) the matrix."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import (DEVICES, HAS_CUDA, KernelRecorder, codebook_kwargs, make_config, replays_of_a_capture,
-                      stored_cache)
+from conftest import (DEVICES, HAS_CUDA, KernelRecorder, codebook_kwargs, make_config, offline_compile_reports,
+                      replays_of_a_capture, stored_cache)
 from tqgen import reference, render
 from tqgen.layout import Layout
 from tqgen.testing import DECODE_TOLERANCE, relative_error
@@ -392,13 +388,7 @@ def test_the_gluon_multi_token_kernel_compiles_for_sm90():
     """Triton's compiler rejects what its interpreter accepts, and Gluon kernels never run on the CPU: each
     case compiles offline, with one m16n8k16 MMA per 16 x 8 x 16 block of the scores and of the output
     (the columns: q_len x group size rounded up to 8 or 16), and a ring of `stages` tiles when stages > 1."""
-    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(COMPILE_CASES)],
-                            cwd=Path(__file__).resolve().parent.parent, env=environment, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(COMPILE_CASES), timeout=600)
     assert len(reports) == len(COMPILE_CASES)
     for (stem, q_len, group_size, block_kv, stages), report in zip(COMPILE_CASES, reports):
         columns = min(q_len, 16 // group_size) * group_size  # the tokens of one program (8 x 4: two programs)

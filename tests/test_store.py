@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from conftest import (HAS_CUDA, KERNEL_FORMATS, PRESETS, KernelRecorder, codebook_kwargs, make_config,
-                      planes_config, planes_config_of, stored_cache)
+                      offline_compile_reports, planes_config, planes_config_of, stored_cache)
 from tqgen import codebook, reference
 from tqgen.layout import Layout
 from tqgen.plan import Plan
@@ -558,20 +558,9 @@ for name in sys.argv[1:]:
 def test_the_tensor_core_key_store_compiles_for_sm90():
     """The rendered tq_store_keys_mma of every shipped config that has one, compiled offline for sm90 (this
     triton): 16 MMAs (8 blocks x 2 column tiles), no local memory."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     pytest.importorskip("triton.experimental.gluon")
-    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     names = ["k3v4-d128-planes", "k3v3-d128-planes", "k4v4-d128-planes"]
-    result = subprocess.run([sys.executable, "-c", _STORE_MMA_COMPILE, *names],
-                            cwd=Path(__file__).resolve().parent.parent, env=environment, capture_output=True,
-                            text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    reports = offline_compile_reports("-c", _STORE_MMA_COMPILE, *names)
     assert [report["name"] for report in reports] == names
     for report in reports:
         assert report["mma"] == 16 and report["local"] == 0, report
