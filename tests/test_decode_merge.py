@@ -71,29 +71,66 @@ def test_one_kernel_per_call_and_the_counters_left_at_zero(build_module, monkeyp
 
 
 def test_the_shape_bucket_chooses_where_merge_in_stage1_is_not_passed(build_module, monkeypatch):
-    """merge_in_stage1=None follows merged_in_stage1 (the tuned bucket), but a workspace without split_counters
-    for the batch (an engine's own) keeps stage 2; passing True then is refused with a clear error."""
+    """merge_in_stage1=None follows merged_in_stage1 (the tuned bucket) where a workspace's split_counters serve
+    the call, as the tuner timed it; without a workspace, or with an engine's own without counters, stage 2 merges.
+    Passing True with counters that cannot serve is refused with a clear error, and so (validate=True) is a call
+    whose counters are not zeros: it would merge too early, in this call and every later one."""
     config = make_config("k8v4", head_dim=64)
     module = build_module(config)
     query, cache, block_table, seq_lens, kwargs = _inputs(module, config, "cpu", [40, 7])
     stage2 = KernelRecorder(module.tq_decode_stage2)
     monkeypatch.setattr(module, "tq_decode_stage2", stage2)
     monkeypatch.setattr(module, "merged_in_stage1", lambda batch, group_size, context, device: True)
-    module.decode(query, cache, block_table, seq_lens, num_splits=4, **kwargs)
-    assert len(stage2.launches) == 0
-
     workspace = module.DecodeWorkspace(2, query.shape[1], 4, "cpu")
+    module.decode(query, cache, block_table, seq_lens, workspace=workspace, num_splits=4, **kwargs)
+    assert len(stage2.launches) == 0
+    module.decode(query, cache, block_table, seq_lens, num_splits=4, **kwargs)  # no workspace
+    assert len(stage2.launches) == 1
+
     del workspace.split_counters  # a workspace built by an engine from buffers of its own
     module.decode(query, cache, block_table, seq_lens, workspace=workspace, num_splits=4, **kwargs)
-    assert len(stage2.launches) == 1
-    with pytest.raises(module.LaunchError, match="merge_in_stage1=True needs workspace.split_counters"):
+    assert len(stage2.launches) == 2
+    for counters in (None, torch.zeros(3, dtype=torch.int32), torch.zeros(16, dtype=torch.int64)):
+        workspace.split_counters = counters  # none, fewer than batch x query heads, not int32
+        module.decode(query, cache, block_table, seq_lens, workspace=workspace, num_splits=4, **kwargs)
+        with pytest.raises(module.LaunchError, match="merge_in_stage1=True needs workspace.split_counters: int32 "
+                                                     "zeros on cpu, at least 16"):
+            module.decode(query, cache, block_table, seq_lens, workspace=workspace, merge_in_stage1=True, **kwargs)
+    assert len(stage2.launches) == 5
+    workspace.split_counters = torch.zeros(16, dtype=torch.int32)
+    workspace.split_counters[9] = 1
+    with pytest.raises(module.LaunchError, match="split_counters must be zeros before a call"):
         module.decode(query, cache, block_table, seq_lens, workspace=workspace, merge_in_stage1=True, **kwargs)
-    workspace.split_counters = torch.zeros(3, dtype=torch.int32)  # fewer than batch x query heads
-    with pytest.raises(module.LaunchError, match="at least 16 int32 zeros"):
-        module.decode(query, cache, block_table, seq_lens, workspace=workspace, merge_in_stage1=True, **kwargs)
-    workspace.split_counters = torch.zeros(16, dtype=torch.int64)
-    with pytest.raises(module.LaunchError, match="split_counters must be int32"):
-        module.decode(query, cache, block_table, seq_lens, workspace=workspace, merge_in_stage1=True, **kwargs)
+
+
+def test_the_program_that_completes_the_count_merges(build_module):
+    """Which program merges is decided by the counter, not by the program's split: on the interpreter the programs
+    run in grid order, so the last split always completes a zeroed count. With one (sequence, KV head)'s counter
+    started at num_splits - 2 (validate=False lets the call through), its second split completes the count, merges
+    what the first two splits stored (the rest weigh 0: their lse were set to -inf beforehand) and resets the
+    counter, which the remaining num_splits - 2 programs then leave at num_splits - 2; the other heads are right."""
+    config = make_config("k3v4", head_dim=64, cache_layout="planes")
+    module = build_module(config)
+    num_splits, tokens_per_split = 5, 32
+    seq_lens = [num_splits * tokens_per_split] * 2
+    query, cache, block_table, seq_lens, kwargs = _inputs(module, config, "cpu", seq_lens)
+    workspace = module.DecodeWorkspace(2, query.shape[1], num_splits, "cpu")
+    launch = dict(num_splits=num_splits, block_kv=32, num_warps=1, num_stages=1, merge_in_stage1=True)
+    want = module.decode(query, cache, block_table, seq_lens, workspace=workspace, **launch, **kwargs)
+    workspace.partial_lse.fill_(float("-inf"))
+    seeded = 1 * query.shape[1] + 1  # sequence 1, KV head 1 (the counter index is seq * num_q_heads + kv_head)
+    workspace.split_counters[seeded] = num_splits - 2
+    out = module.decode(query, cache, block_table, seq_lens, workspace=workspace, validate=False, **launch, **kwargs)
+    expected_counters = torch.zeros_like(workspace.split_counters)
+    expected_counters[seeded] = num_splits - 2
+    assert torch.equal(workspace.split_counters, expected_counters)
+    heads = slice(4, 8)  # the query heads of KV head 1
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1, :4], want[1, :4])
+    assert not torch.allclose(out[1, heads], want[1, heads], atol=1e-3)
+    # What the early merge saw: the first two splits alone (a 2-split decode of their 64 tokens).
+    first_two = module.decode(query[1:], cache, block_table[1:], torch.full_like(seq_lens[1:], 2 * tokens_per_split),
+                              num_splits=2, block_kv=32, num_warps=1, num_stages=1, merge_in_stage1=False, **kwargs)
+    assert relative_error(out[1, heads], first_two[0, heads]) < 1e-5
 
 
 # Offline compiles for sm90: the Gluon kernel for each layout and key format (a ring of 2 where one stage is not
@@ -115,8 +152,8 @@ for stem, label in json.loads(sys.argv[1]):
                                             **options).asm["ptx"]
     lines = [line.strip() for line in ptx.splitlines() if line.strip() and not line.strip().startswith((".loc", "//"))]
     arrive = [i for i, line in enumerate(lines) if "atom.global.gpu.acq_rel.add" in line]
-    before = lines[max(0, arrive[0] - 8):arrive[0]] if arrive else []
-    print(json.dumps(dict(arrivals=len(arrive), barrier_before=any("bar.sync" in line for line in before),
+    barriers = [any("bar.sync" in line for line in lines[max(0, i - 8):i]) for i in arrive]
+    print(json.dumps(dict(arrivals=len(arrive), barrier_before=bool(arrive) and all(barriers),
                           resets=sum("atom.global.gpu.relaxed.exch" in line for line in lines),
                           l2_loads=sum("ld.global.cg" in line for line in lines),
                           vector_l2_loads=sum("ld.global.cg.v4" in line for line in lines),
@@ -133,8 +170,9 @@ ARRIVAL_SITES = {"stage1_mma_merged": 1, "stage1_merged": 2}
 
 def test_the_merging_kernels_compile_for_sm90():
     """Each merging kernel arrives (one lane's acq_rel atomic, after a barrier of the program's threads) and resets
-    its counter at each of its arrival sites, reads the partials through L2 16 bytes a lane, and never lets a
-    dependent kernel start early (nothing after it waits for it in this call)."""
+    its counter at each of its arrival sites, reads the partials through L2 16 bytes a lane, and, compiled for a
+    dependent launch (DEPENDENT_LAUNCH, which makes the single-token kernel signal), never lets a dependent kernel
+    start early: nothing after it waits for it in this call."""
     reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(COMPILE_CASES))
     assert len(reports) == len(COMPILE_CASES)
     for case, report in zip(COMPILE_CASES, reports):

@@ -379,6 +379,7 @@ def test_decode_views_of_vllms_buffers_are_built_once_per_buffer_and_shape(monke
     the hot path), rebuilt for another shape, and dropped (with the reference to the buffer) when another buffer
     object comes: nothing of a freed buffer is written or kept."""
     monkeypatch.setattr(vllm, "_buffer_views", {})
+    monkeypatch.setattr(vllm, "_split_counter_store", {})
     module = vllm._module("test", torch.device("cpu"), 128, 16, False, 4, 66, 4, True)
     cpu = torch.device("cpu")
     mid_o_buf, output_buf = torch.empty(4, 8, 4, 129), torch.empty(4, 8, 128, dtype=torch.float16)
@@ -401,6 +402,9 @@ def test_decode_views_of_vllms_buffers_are_built_once_per_buffer_and_shape(monke
     new_mid, new_out = torch.empty_like(mid_o_buf), torch.empty_like(output_buf)
     fresh, fresh_out = workspace(new_mid, 3), output(new_out, 3)
     assert fresh.partial_out.data_ptr() == new_mid.data_ptr() and fresh_out.data_ptr() == new_out.data_ptr()
+    # Another buffer, other counters; the first buffer's stay (a captured graph may hold their address).
+    assert fresh.split_counters is not first.split_counters
+    assert vllm._split_counter_store[(cpu, mid_o_buf.data_ptr())] is first.split_counters
     assert vllm._buffer_views["workspace"][0] is new_mid and vllm._buffer_views["output"][0] is new_out
     assert all(view is not first for view in vllm._buffer_views["workspace"][1].values())
     # A buffer too small for the call is not used, and nothing is held for it.

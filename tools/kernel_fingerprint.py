@@ -119,7 +119,8 @@ def specializations(module):
                                   module.tq_decode_stage1_mma, constants, warps, 1, GluonASTSource, options))
     if "tq_decode_stage1_merged" in names:  # stage 1 merging its own splits (decode's merge_in_stage1)
         for block_kv, warps, stages in ((32, 1, 1), (64, 1, 1), (64, 2, 1), (32, 4, 1)):
-            constants = dict(GROUP_SIZE=4, BLOCK_H=16, BLOCK_KV=block_kv, DEPENDENT_LAUNCH=False, BLOCK_SPLITS=64)
+            # DEPENDENT_LAUNCH: where the single-token kernel would signal its dependents (the merging one must not).
+            constants = dict(GROUP_SIZE=4, BLOCK_H=16, BLOCK_KV=block_kv, DEPENDENT_LAUNCH=True, BLOCK_SPLITS=64)
             if "ROTATE_QUERY" in module.tq_decode_stage1_merged.arg_names:
                 constants["ROTATE_QUERY"] = True
             specs.append((f"stage1_merged_kv{block_kv}_w{warps}_st{stages}", module.tq_decode_stage1_merged, constants,
@@ -128,7 +129,7 @@ def specializations(module):
         for block_kv, group_size, stages in ((32, 4, 1), (32, 4, 2), (64, 1, 2), (32, 8, 1), (32, 16, 2)):
             if stages < module.MMA_MIN_STAGES:
                 continue
-            keywords = dict(module._mma_stage1_keywords(block_kv, group_size, False, stages, False, block_splits=64))
+            keywords = dict(module._mma_stage1_keywords(block_kv, group_size, True, stages, False, block_splits=64))
             if "TOKEN_STRIDE" in module.tq_decode_stage1_mma_merged.arg_names:
                 keywords["TOKEN_STRIDE"] = module.SLOT_BYTES
             if "ROTATE_QUERY" in keywords:

@@ -15,7 +15,9 @@ the same and records it in each file:
    their PTX without source locations;
 3. only if every decode kernel is identical, rewrites the file's metadata to this tree's
    schema, kernel hash and template hash, with `migrated` saying from which hash and commit,
-   why, and on what evidence. Timings and buckets are untouched; anything else is refused.
+   why, and on what evidence (and which decode kernels this tree adds: they were never timed, so
+   no tuned bucket picks them until a re-tune). Timings and buckets are untouched; anything else
+   is refused.
 
 Runs on the CPU; takes a few minutes per config (offline compiles).
 """
@@ -105,6 +107,7 @@ def main() -> int:
         old, new = old_ptx[key], new_ptx[key]
         decode = sorted(label for label in old if label.startswith(DECODE_KERNELS))
         differing = [label for label in decode if old[label] != new.get(label) or old[label].startswith("error")]
+        added = sorted(label for label in new if label.startswith(DECODE_KERNELS) and label not in old)
         for tuned_path in sorted(Path(args.tuned_dir).glob(f"*/{artifact}.json")):
             document = json.loads(tuned_path.read_text())
             metadata = document["metadata"]
@@ -124,7 +127,8 @@ def main() -> int:
                 migrated={"from_kernel_hash": old_hash, "from_commit": commit,
                           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                           "evidence": f"PTX of all {len(decode)} decode kernel specializations identical "
-                                      f"(tools/kernel_fingerprint.py, sm90, triton {triton.__version__})"})
+                                      f"(tools/kernel_fingerprint.py, sm90, triton {triton.__version__})",
+                          **({"untimed_new_kernels": added} if added else {})})
             print(f"{tuned_path}: {len(decode)} decode kernels identical; kernel_hash {old_hash[:12]} -> "
                   f"{new_hash[:12]}" + (" (dry run)" if args.dry_run else ""))
             if not args.dry_run:

@@ -6,7 +6,8 @@
 # Usage (on a CUDA machine, from the repository root): bash tools/run_gpu.sh [OUT_DIR]
 # TQGEN_GPU_STEPS picks steps (default "tests sanitize bench"; "tune" re-tunes TQGEN_TUNE_CONFIGS, default the
 # four planes configs, as the committed planes files were tuned (tqgen tune's default 1, 4, 8 and 16 query heads
-# per KV head, or TQGEN_TUNE_GROUPS; about 4.5 minutes a config on the H200: docs/tuning.md), and packs
+# per KV head, or TQGEN_TUNE_GROUPS; TQGEN_TUNE_BATCHES limits the batches; about 4.5 minutes a config on the H200:
+# docs/tuning.md), and packs
 # the tuned files written so far into OUT_DIR/tuned.tar after each config (`tar -xf tuned.tar` in the checkout
 # restores them): a call that runs out of time keeps the configs it finished; "multi" times decode_multi
 # at q_len 1-8 against decode, tools/bench_decode_multi.py, before the benchmark; "host" the host time of eager
@@ -15,7 +16,7 @@
 # merge.log; TQGEN_MERGE_CONFIGS, default k3v4 and k8v4 planes and k3v4 slots).
 # TQGEN_SANITIZE_CONFIGS limits the sanitizers to some configs (default every shipped one, 8 sanitizer processes
 # at a time).
-# OUT_DIR gets these files, by step (the device tool returns no more than 8 from $OUT: every step at once writes 9):
+# OUT_DIR gets these files, by step (the device tool returns no more than 8 from $OUT: every step at once writes 10):
 # pytest-gpu.log, tune.log, tuned.tar, sanitize.log (memcheck then racecheck), multi.log, host.log, merge.log,
 # bench.log, bench.json, bench.png.
 set -u
@@ -38,7 +39,8 @@ if [[ $steps == *tune* ]]; then
     for config in ${TQGEN_TUNE_CONFIGS:-configs/k8v4-d128-planes.yaml configs/k4v4-d128-planes.yaml \
                    configs/k3v4-d128-planes.yaml configs/k3v3-d128-planes.yaml}; do
         python3 -m tqgen.cli tune "$config" --warps 1 --stages 1 2 --block-kv 32 64 \
-            ${TQGEN_TUNE_GROUPS:+--group-size $TQGEN_TUNE_GROUPS} --force >> "$out/tune.log" 2>&1
+            ${TQGEN_TUNE_GROUPS:+--group-size $TQGEN_TUNE_GROUPS} ${TQGEN_TUNE_BATCHES:+--batch $TQGEN_TUNE_BATCHES} \
+            --force >> "$out/tune.log" 2>&1
         rc=$?; tail -1 "$out/tune.log"; echo "tune $config exit code: $rc"; (( rc )) && status=1
         written=$(find tuned -name '*.json' -newer "$started")  # what this step wrote so far, as one file
         [[ -n $written ]] && tar -cf "$out/tuned.tar" $written

@@ -494,15 +494,24 @@ def _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_di
     return _hold_view("workspace", mid_o_buf, view_key, workspace)
 
 
+# decode's split counters (DecodeWorkspace.split_counters) of each of vLLM's mid_o_buf addresses, by (device, address):
+# never freed, since a CUDA graph keeps their address (a buffer object replaced in _buffer_views must not take its
+# counters with it), and kept apart per buffer, since buffers of calls that may run at once (two streams) differ.
+_split_counter_store: dict = {}
+_outgrown_split_counters: list = []  # those replaced by larger ones for a larger buffer at the same address
+
+
 def _split_counters(mid_o_buf, device):
-    """The int32 zeros of decode's merge in stage 1 (DecodeWorkspace.split_counters), one per row of mid_o_buf's
-    first two dims, held with that buffer: every call leaves them zero, so one tensor serves every call and graph
-    replay over it. vLLM's buffers hold whatever they held before; this one is tqgen's."""
-    key = ("counters", device)
-    counters = _held_view("counters", mid_o_buf, key)
-    if counters is None:
-        rows = mid_o_buf.shape[0] * mid_o_buf.shape[1]
-        counters = _hold_view("counters", mid_o_buf, key, torch.zeros(rows, dtype=torch.int32, device=device))
+    """Int32 zeros for decode's merge in stage 1, one per row of mid_o_buf's first two dims, for every call over
+    that buffer's memory (each call leaves them zero). vLLM's buffers hold whatever they held before: these are
+    tqgen's."""
+    key = (device, mid_o_buf.data_ptr())
+    rows = mid_o_buf.shape[0] * mid_o_buf.shape[1]
+    counters = _split_counter_store.get(key)
+    if counters is None or counters.numel() < rows:
+        if counters is not None:
+            _outgrown_split_counters.append(counters)
+        counters = _split_counter_store[key] = torch.zeros(rows, dtype=torch.int32, device=device)
     return counters
 
 
