@@ -133,6 +133,35 @@ def test_the_program_that_completes_the_count_merges(build_module):
     assert relative_error(out[1, heads], first_two[0, heads]) < 1e-5
 
 
+@pytest.mark.parametrize("stem", ["k3v4-d128-planes", "k8v4-d128-planes", "k3v3-d128", "k8v4-d128", "k4v4-d64"])
+def test_the_merging_kernels_take_stage1s_arguments_then_the_outputs(stem):
+    """_run_decode passes a merging kernel stage 1's positional arguments followed by out, the counters and out's
+    strides, and the rest by keyword: in every rendering, each merging kernel's runtime parameters are its stage-1
+    kernel's followed by those four, before any constexpr, and its constexprs are stage 1's and BLOCK_SPLITS."""
+    import ast
+
+    from tqgen import config as config_mod, render
+
+    config = config_mod.resolve_arch(config_mod.load(f"configs/{stem}.yaml"), (9, 0))
+    functions = {node.name: node for node in ast.walk(ast.parse(render.render(config)))
+                 if isinstance(node, ast.FunctionDef)}
+
+    def parameters(name):
+        arguments = functions[name].args.args
+        constexpr = ["constexpr" in ast.unparse(argument.annotation or ast.Constant("")) for argument in arguments]
+        runtime = [argument.arg for argument, is_constexpr in zip(arguments, constexpr) if not is_constexpr]
+        assert constexpr == sorted(constexpr), f"{name}: a runtime parameter after a constexpr"
+        return runtime, {argument.arg for argument, is_constexpr in zip(arguments, constexpr) if is_constexpr}
+
+    pairs = [("tq_decode_stage1", "tq_decode_stage1_merged")]
+    if "tq_decode_stage1_mma" in functions:
+        pairs.append(("tq_decode_stage1_mma", "tq_decode_stage1_mma_merged"))
+    for stage1, merging in pairs:
+        (runtime, constants), (merging_runtime, merging_constants) = parameters(stage1), parameters(merging)
+        assert merging_runtime == runtime + ["out_ptr", "split_counters_ptr", "stride_out_batch", "stride_out_head"]
+        assert merging_constants == constants | {"BLOCK_SPLITS"}
+
+
 # Offline compiles for sm90: the Gluon kernel for each layout and key format (a ring of 2 where one stage is not
 # taken), and the tl.dot kernel.
 _COMPILE_SCRIPT = """
