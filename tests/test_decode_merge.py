@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import (HAS_CUDA, KernelRecorder, check_decode, codebook_kwargs, make_config, offline_compile_reports,
-                      replays_of_a_capture)
+                      replays_of_a_capture, stored_cache)
 from tqgen import reference
 from tqgen.layout import Layout
 from tqgen.testing import relative_error
@@ -41,8 +41,7 @@ def test_stage1_merging_at_other_group_sizes(device, build_module, group_size):
 
 
 def _inputs(module, config, device, seq_lens, num_kv_heads=2, group_size=4):
-    from conftest import stored_cache
-
+    """A stored random batch with a query: (query, cache, block_table, seq_lens, codebook keyword arguments)."""
     kwargs = codebook_kwargs(module, config, device)
     batch, cache = stored_cache(module, config, seq_lens, device, num_kv_heads, codebook=kwargs)
     query = torch.randn(len(seq_lens), num_kv_heads * group_size, config.head_dim,

@@ -35,7 +35,7 @@ BUCKETS = [(2, 2, 200), (2, 1, 100)]  # -> g2_b2_t256 and g2_b1_t256
 
 def candidates(module, batch):
     """SPACE's candidates as the tuner times them at this batch."""
-    return SPACE.candidates(tuner.rotations(module, batch), tuner.merges(module, batch, SPACE.merge_in_stage1))
+    return tuner.bucket_candidates(module, SPACE, batch)
 
 
 def cpu_timer(fn):

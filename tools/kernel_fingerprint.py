@@ -123,8 +123,8 @@ def specializations(module):
             constants = dict(GROUP_SIZE=4, BLOCK_H=16, BLOCK_KV=block_kv, DEPENDENT_LAUNCH=True, BLOCK_SPLITS=64)
             if "ROTATE_QUERY" in module.tq_decode_stage1_merged.arg_names:
                 constants["ROTATE_QUERY"] = True
-            specs.append((f"stage1_merged_kv{block_kv}_w{warps}_st{stages}", module.tq_decode_stage1_merged, constants,
-                          warps, stages, ASTSource, {}))
+            specs.append((f"stage1_merged_kv{block_kv}_w{warps}_st{stages}", module.tq_decode_stage1_merged,
+                          constants, warps, stages, ASTSource, {}))
     if "tq_decode_stage1_mma_merged" in names:
         for block_kv, group_size, stages in ((32, 4, 1), (32, 4, 2), (64, 1, 2), (32, 8, 1), (32, 16, 2)):
             if stages < module.MMA_MIN_STAGES:
@@ -136,7 +136,7 @@ def specializations(module):
                 keywords["ROTATE_QUERY"] = True
             keywords.pop("launch_pdl")
             warps = keywords.pop("num_warps")
-            options = {key: keywords.pop(key) for key in list(keywords) if key in ("maxnreg",)}
+            options = {"maxnreg": keywords.pop("maxnreg")} if "maxnreg" in keywords else {}
             specs.append((f"stage1_mma_merged_kv{block_kv}_g{group_size}_st{stages}",
                           module.tq_decode_stage1_mma_merged, keywords, warps, 1, GluonASTSource, options))
     for dependent in (False, True):

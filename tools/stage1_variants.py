@@ -22,8 +22,9 @@ plan.STAGE1_VARIANTS), not by editing rendered text:
 - prefetch_next (right results; 1 stage): each tile's block ids read one loop pass ahead, and its pages' 128-byte
                 lines requested into L2 then (prefetch.global.L2, one line a lane), the first tile's before the
                 query's load and rotation: what a lone warp's chain of loads at small batches gains from it.
-- vector_partials (compiled for sm90, not yet run on a GPU): the partials stored 16 bytes at a time (out^T's rows put in head-dim order
-                first) instead of 32 scalar stores a lane, each behind a branch on the head mask.
+- vector_partials (compiled for sm90, not yet run on a GPU): the partials stored 16 bytes at a time (out^T's rows
+                put in head-dim order first) instead of 32 scalar stores a lane, each behind a branch on the head
+                mask.
 Each is timed as a whole decode call (CUDA-graph replay, the shipped launch of the shape, the same random
 cache), with the copy ceiling measured in the same run: load_only and compute_only with their words loaded
 where used (num_stages 1), the others with the launch's stages; the first column times the shipped launch as

@@ -86,6 +86,12 @@ def merges(module: ModuleType, batch: int, ways: tuple = (False, True)) -> tuple
     return (None,)
 
 
+def bucket_candidates(module: ModuleType, space: SearchSpace, batch: int) -> list[dict]:
+    """The candidates the tuner times for a bucket of `batch` sequences: the space's launches, each with every
+    query rotation (rotations) and split merge (merges) that decode has a choice of at that batch."""
+    return space.candidates(rotations(module, batch), merges(module, batch, space.merge_in_stage1))
+
+
 def cuda_graph_timer(fn: Callable[[], object]) -> float:
     """Median milliseconds of a CUDA-graph replay of fn (decode is launch-bound at small sizes)."""
     import triton
@@ -153,7 +159,7 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
                                 check["seq_lens"], setup["codebook"].get("rotation"), setup["codebook"].get("centroids"))
     limit = DECODE_TOLERANCE[torch.float16]
     timings, rejected, calls = {}, {}, {}
-    launches = {tuned_files.candidate_id(launch): launch for launch in space.candidates(rotations(module, batch), merges(module, batch, space.merge_in_stage1))}
+    launches = {tuned_files.candidate_id(launch): launch for launch in bucket_candidates(module, space, batch)}
     for name, launch in launches.items():
         try:
             run_check, call = _candidate_calls(module, setup, launch)
@@ -216,7 +222,7 @@ def _compile_class(module_file: str, config: Config, group_size: int, batch: int
     setup = _bucket_problem(module, config, group_size, batch, context, num_kv_heads, max(space.num_splits),
                             device)
     failed = 0
-    for launch in space.candidates(rotations(module, batch), merges(module, batch, space.merge_in_stage1)):
+    for launch in bucket_candidates(module, space, batch):
         try:
             for run in _candidate_calls(module, setup, launch):
                 run()

@@ -486,11 +486,11 @@ def _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_di
         mid_o_buf = torch.empty(batch, num_q_heads, max_splits, head_dim + 1, dtype=torch.float32, device=device)
         if buf_holder is not None:
             buf_holder._tq_mid_o_buf = mid_o_buf
-        workspace = _carve_workspace(module, mid_o_buf, batch, num_q_heads, head_dim, num_splits, device, needs_query)
-        workspace.split_counters = torch.zeros(batch * num_q_heads, dtype=torch.int32, device=device)
-        return workspace
-    workspace = _carve_workspace(module, mid_o_buf, batch, num_q_heads, head_dim, num_splits, device, needs_query)
-    workspace.split_counters = _split_counters(mid_o_buf, device)
+        counters = torch.zeros(batch * num_q_heads, dtype=torch.int32, device=device)  # this call's alone
+        return _carve_workspace(module, mid_o_buf, counters, batch, num_q_heads, head_dim, num_splits, device,
+                                needs_query)
+    workspace = _carve_workspace(module, mid_o_buf, _split_counters(mid_o_buf, device), batch, num_q_heads, head_dim,
+                                 num_splits, device, needs_query)
     return _hold_view("workspace", mid_o_buf, view_key, workspace)
 
 
@@ -515,8 +515,8 @@ def _split_counters(mid_o_buf, device):
     return counters
 
 
-def _carve_workspace(module, mid_o_buf, batch, num_q_heads, head_dim, num_splits, device, needs_query):
-    """The DecodeWorkspace of one call's shape as views of mid_o_buf (_decode_workspace)."""
+def _carve_workspace(module, mid_o_buf, split_counters, batch, num_q_heads, head_dim, num_splits, device, needs_query):
+    """The DecodeWorkspace of one call's shape as views of mid_o_buf (_decode_workspace), with split_counters."""
     partial_floats = batch * num_q_heads * num_splits * head_dim
     lse_floats = batch * num_q_heads * num_splits
     query_start = -(-(partial_floats + lse_floats) // 4) * 4
@@ -527,6 +527,7 @@ def _carve_workspace(module, mid_o_buf, batch, num_q_heads, head_dim, num_splits
         _constants[key] = module.DecodeWorkspace(0, num_q_heads, 1, device)
     workspace = copy.copy(_constants[key])
     workspace.max_batch, workspace.num_q_heads, workspace.max_splits = batch, num_q_heads, num_splits
+    workspace.split_counters = split_counters
     workspace.partial_out = flat[:partial_floats].view(batch, num_q_heads, num_splits, head_dim)
     workspace.partial_lse = flat[partial_floats:partial_floats + lse_floats].view(batch, num_q_heads, num_splits)
     if needs_query:
