@@ -25,8 +25,8 @@ SEQ_LENS = [0, 1, 13, 600]
 @pytest.mark.parametrize("preset,layout,head_dim,num_splits", [("k3v4", "planes", 128, 24), ("k8v4", "planes", 128, 1),
                                                                ("k4v4", "slots", 64, 3), ("k3v3", "slots", 128, 24)])
 def test_stage1_merging_matches_the_reference_and_stage2(device, build_module, preset, layout, head_dim, num_splits):
-    module = build_module(make_config(preset, head_dim=head_dim, cache_layout=layout))
     config = make_config(preset, head_dim=head_dim, cache_layout=layout)
+    module = build_module(config)
     merged = check_decode(module, config, device, SEQ_LENS, num_splits=num_splits, merge_in_stage1=True)
     staged = check_decode(module, config, device, SEQ_LENS, num_splits=num_splits, merge_in_stage1=False)
     assert relative_error(merged, staged) < 1e-5
