@@ -356,7 +356,9 @@ def test_mse_slots_decode_takes_the_mma_kernel_through_its_ring(build_module, mo
                                                                 expect_mma):
     """MSE keys in slots: the Gluon kernel copies the 32-bit words that hold each 2-byte aligned field, through its
     ring only, so it takes caches whose first byte is 16-byte aligned and whose block stride is a multiple of 4
-    (even position and head strides: fields start at byte 0 or 2 of a word), with at least 2 stages."""
+    (even position and head strides: fields start at byte 0 or 2 of a word), with at least 2 stages; its
+    HEAD_STRIDE_PHASE is the head stride % 4, 0 where every page starts at a word (vLLM's head-major cache), in
+    decode's launch, in decode_multi's and in the launch of the kernel that merges its own splits."""
     config = mma_config(preset, cache_layout="slots")
     module = build_module(config)
     device = "cuda" if HAS_CUDA else "cpu"
@@ -368,12 +370,27 @@ def test_mse_slots_decode_takes_the_mma_kernel_through_its_ring(build_module, mo
         cache = _slots_cache(module, kind, 8, 2, device)
     table = torch.arange(8, dtype=torch.int32, device=device).view(2, 4)
     query = torch.randn(2, 8, 128, device=device)
-    module.decode(query, cache, table, torch.tensor([40, 64], dtype=torch.int32, device=device), num_warps=1,
-                  block_kv=32, num_splits=2, num_stages=stages, **codebook_kwargs(module, config, device))
+    seq_lens = torch.tensor([40, 64], dtype=torch.int32, device=device)
+    launch_args = dict(num_warps=1, block_kv=32, num_splits=2, num_stages=stages, **codebook_kwargs(module, config,
+                                                                                                  device))
+    module.decode(query, cache, table, seq_lens, **launch_args)
     assert (len(mma.launches), len(dot.launches)) == ((1, 0) if expect_mma else (0, 1))
-    if expect_mma:
-        _, args, launch = mma.launches[0]
-        assert launch["TOKEN_STRIDE"] == cache.stride(1) and launch["STAGES"] == stages and args[1] is cache
+    if not expect_mma:
+        return
+    head_stride_phase = {"head_major": 0, "position_major": 2, "odd_head_stride": 0}[kind]
+    _, args, launch = mma.launches[0]
+    assert launch["TOKEN_STRIDE"] == cache.stride(1) and launch["STAGES"] == stages and args[1] is cache
+    assert launch["HEAD_STRIDE_PHASE"] == head_stride_phase
+    multi, merged = KernelRecorder(), KernelRecorder()
+    monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", multi)
+    monkeypatch.setattr(module, "tq_decode_stage1_mma_merged", merged)
+    module.decode_multi(torch.randn(2, 2, 8, 128, device=device), cache, table, seq_lens, **launch_args)
+    module.decode(query, cache, table, seq_lens, workspace=module.DecodeWorkspace(2, 8, 2, device),
+                  merge_in_stage1=True, **launch_args)
+    for recorder in (multi, merged):
+        _, args, launch = recorder.launches[0]
+        assert len(recorder.launches) == 1 and args[1] is cache
+        assert (launch["TOKEN_STRIDE"], launch["HEAD_STRIDE_PHASE"]) == (cache.stride(1), head_stride_phase)
 
 
 @pytest.mark.parametrize("preset", ["k8v4", "k3v4", "k3v3"])

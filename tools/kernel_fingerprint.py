@@ -26,6 +26,7 @@ import tempfile
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # ptx_probe, beside this file
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -82,6 +83,14 @@ def stripped_ptx(ptx: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def _head_major_view(module):
+    """A slots module's Gluon stage-1 constants for the head-major cache of vLLM and make_cache, which the tuner
+    times (TOKEN_STRIDE; with MSE keys also HEAD_STRIDE_PHASE, 0 at 16-token pages: every page starts at a word)."""
+    import ptx_probe  # imported where used: tools/migrate_tuned.py runs this file in checkouts that predate it
+
+    return ptx_probe.slots_view_constants(module, module.SLOT_BYTES, module.PAGE_SIZE * module.SLOT_BYTES)
+
+
 def specializations(module):
     """(name, kernel, constants, warps, stages, source_type, options) of every launch worth fingerprinting."""
     names = set(dir(module))
@@ -108,7 +117,7 @@ def specializations(module):
                     continue
                 constants = module._mma_stage1_constants(block_kv, group_size, dependent, stages)
                 if "TOKEN_STRIDE" in module.tq_decode_stage1_mma.arg_names:  # slots: the head-major cache of vLLM
-                    constants = dict(constants, TOKEN_STRIDE=module.SLOT_BYTES)
+                    constants = dict(constants, **_head_major_view(module))
                 options = dict(module._mma_stage1_options(block_kv, group_size))
                 warps = options.pop("num_warps")
                 specs.append((f"stage1_mma_kv{block_kv}_g{group_size}_dep{int(dependent)}_st{stages}",
@@ -131,7 +140,7 @@ def specializations(module):
                 continue
             keywords = dict(module._mma_stage1_keywords(block_kv, group_size, True, stages, False, block_splits=64))
             if "TOKEN_STRIDE" in module.tq_decode_stage1_mma_merged.arg_names:
-                keywords["TOKEN_STRIDE"] = module.SLOT_BYTES
+                keywords.update(_head_major_view(module))
             if "ROTATE_QUERY" in keywords:
                 keywords["ROTATE_QUERY"] = True
             keywords.pop("launch_pdl")

@@ -91,9 +91,18 @@ def _slots_cache_specialization(module, head_major: bool) -> tuple[dict, tuple[s
     if "TOKEN_STRIDE" not in module.tq_decode_stage1_mma.arg_names:  # planes
         return {}, ("stride_",)
     if head_major:
-        return {"TOKEN_STRIDE": module.SLOT_BYTES}, ("stride_",)
-    return {"TOKEN_STRIDE": 8 * module.SLOT_BYTES}, ("stride_cache_block", "stride_cache_pos", "stride_query",
-                                                     "stride_table")
+        return slots_view_constants(module, module.SLOT_BYTES, module.PAGE_SIZE * module.SLOT_BYTES), ("stride_",)
+    return slots_view_constants(module, 8 * module.SLOT_BYTES, module.SLOT_BYTES), (
+        "stride_cache_block", "stride_cache_pos", "stride_query", "stride_table")
+
+
+def slots_view_constants(module, token_stride: int, head_stride: int) -> dict:
+    """The Gluon stage 1's constants of a slots cache view with these position and head strides: TOKEN_STRIDE and,
+    MSE keys (2-byte aligned fields), HEAD_STRIDE_PHASE, as the module's launchers pass them."""
+    constants = {"TOKEN_STRIDE": token_stride}
+    if "HEAD_STRIDE_PHASE" in module.tq_decode_stage1_mma.arg_names:
+        constants["HEAD_STRIDE_PHASE"] = head_stride % 4
+    return constants
 
 
 def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_launch: bool = False, stages: int = 1,
@@ -114,13 +123,14 @@ def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_lau
 
 
 def compile_multi_stage1_mma(module, block_kv: int, group_size: int, q_len: int, dependent_launch: bool = False,
-                             stages: int = 1):
+                             stages: int = 1, head_major: bool = True):
     """The Gluon stage 1 of decode_multi (tq_decode_multi_stage1_mma) with the constants decode_multi gives it:
-    the query tokens that fit in 16 MMA columns (query tokens x heads) per program."""
+    the query tokens that fit in 16 MMA columns (query tokens x heads) per program; head_major as
+    compile_stage1_mma's."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     constants = module._multi_mma_constants(block_kv, group_size, q_len, dependent_launch, stages)
-    cache_constants, aligned = _slots_cache_specialization(module, head_major=True)
+    cache_constants, aligned = _slots_cache_specialization(module, head_major)
     options = dict(module._mma_stage1_options(block_kv, constants["TOKENS_PER_PROGRAM"] * group_size))
     return _compile_sm90(module.tq_decode_multi_stage1_mma, {**constants, **cache_constants}, POINTER_TYPES, aligned,
                          options.pop("num_warps"), 1, GluonASTSource, **options)
@@ -298,6 +308,8 @@ def main() -> None:
                         help="with --mma: compile decode_multi's stage 1 for this many query tokens (2-8)")
     parser.add_argument("--rotate-query", action="store_true",
                         help="compile stage 1 as it rotates the query itself (planes MSE, small batches)")
+    parser.add_argument("--position-major", action="store_true",
+                        help="with --mma, slots configs: the cache in position-major order (default: head-major, vLLM's)")
     args = parser.parse_args()
     config = config_mod.resolve_arch(config_mod.load(args.config), (9, 0))
     if args.store:
@@ -315,9 +327,10 @@ def main() -> None:
             raise SystemExit(f"--mma: {args.config}'s Gluon stage 1 takes --stages {module.MMA_MIN_STAGES} or more")
         if args.q_len > 1:
             compiled = compile_multi_stage1_mma(module, args.block_kv, args.group_size, args.q_len,
-                                                stages=args.stages)
+                                                stages=args.stages, head_major=not args.position_major)
         else:
-            compiled = compile_stage1_mma(module, args.block_kv, args.group_size, stages=args.stages)
+            compiled = compile_stage1_mma(module, args.block_kv, args.group_size, stages=args.stages,
+                                          rotate_query=args.rotate_query, head_major=not args.position_major)
     else:
         compiled = compile_stage1(module, args.block_kv, args.warps, args.stages, args.rotate_query)
     ptx = compiled.asm["ptx"]
