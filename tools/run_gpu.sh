@@ -15,7 +15,8 @@
 # stage 1 merging its own splits beside stage 2 at batch 1-8 (tools/ab_modules.py --merge-in-stage1, into
 # merge.log; TQGEN_MERGE_CONFIGS, default k3v4 and k8v4 planes and k3v4 slots).
 # TQGEN_SANITIZE_CONFIGS limits the sanitizers to some configs (default every shipped one, 8 sanitizer processes
-# at a time).
+# at a time); TQGEN_TEST_ARGS is passed to pytest (test files, -k), TQGEN_BENCH_CONFIGS replaces the bench's eight
+# shipped head_dim-128 configs.
 # OUT_DIR gets these files, by step (the device tool returns no more than 8 from $OUT: every step at once writes 10):
 # pytest-gpu.log, tune.log, tuned.tar, sanitize.log (memcheck then racecheck), multi.log, host.log, merge.log,
 # bench.log, bench.json, bench.png.
@@ -31,7 +32,8 @@ status=0
 if [[ $steps == *tests* ]]; then
     # With pytest-xdist (the device image has it), 8 workers share the GPU: about 1000 tests in 4-6 minutes.
     workers=""; python3 -c "import xdist" 2>/dev/null && workers="-n 8"
-    python3 -m pytest -m gpu -q -p no:cacheprovider $workers --durations=5 2>&1 | tee "$out/pytest-gpu.log" | tail -25
+    python3 -m pytest -m gpu -q -p no:cacheprovider $workers --durations=5 ${TQGEN_TEST_ARGS:-} 2>&1 \
+        | tee "$out/pytest-gpu.log" | tail -25
     rc=${PIPESTATUS[0]}; echo "gpu tests exit code: $rc"; (( rc )) && status=1
 fi
 if [[ $steps == *tune* ]]; then
@@ -95,9 +97,9 @@ if [[ $steps == *bench* ]]; then
     if python3 -c "import matplotlib" 2>/dev/null && { [[ $bench_args != *--ops* ]] || [[ $bench_args == *decode* ]]; }; then
         chart="--chart $out/bench.png"
     fi
-    python3 -m tqgen.cli bench configs/k8v4-d128.yaml configs/k4v4-d128.yaml configs/k3v4-d128.yaml \
-        configs/k3v3-d128.yaml configs/k8v4-d128-planes.yaml configs/k4v4-d128-planes.yaml \
-        configs/k3v4-d128-planes.yaml configs/k3v3-d128-planes.yaml --json "$out/bench.json" $chart $bench_args 2>&1 \
+    python3 -m tqgen.cli bench ${TQGEN_BENCH_CONFIGS:-configs/k8v4-d128.yaml configs/k4v4-d128.yaml \
+        configs/k3v4-d128.yaml configs/k3v3-d128.yaml configs/k8v4-d128-planes.yaml configs/k4v4-d128-planes.yaml \
+        configs/k3v4-d128-planes.yaml configs/k3v3-d128-planes.yaml} --json "$out/bench.json" $chart $bench_args 2>&1 \
         | tee "$out/bench.log" | grep -v '^\['
     rc=${PIPESTATUS[0]}; echo "bench exit code: $rc"; (( rc )) && status=1
 fi
