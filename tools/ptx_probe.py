@@ -48,14 +48,18 @@ import tqgen  # noqa: E402
 from tqgen import config as config_mod, render  # noqa: E402
 
 POINTER_TYPES = {"query_ptr": "*fp16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32"}
+# Strides a real launch passes as 1 (a contiguous query's head dim), which triton's launcher then specializes as the
+# constant 1 (as it does any int argument equal to 1).
+UNIT_STRIDES = ("stride_query_dim",)
 
 
 def _compile_sm90(kernel, constants: dict, pointer_types: dict, aligned_strides: tuple[str, ...], warps: int,
                   stages: int, source_type=ASTSource, **options):
-    """Compile for sm90 with a real launch's specializations: pointers 16-byte aligned, the named
-    strides multiples of 16, every other argument a 32-bit int (score_scale a float); options are
+    """Compile for sm90 with a real launch's specializations: pointers 16-byte aligned, UNIT_STRIDES the constant 1,
+    the named strides multiples of 16, every other argument a 32-bit int (score_scale a float); options are
     further compile options (maxnreg)."""
     signature, attributes = {}, {}
+    constants = {**constants, **{name: 1 for name in UNIT_STRIDES if name in kernel.arg_names}}
     for index, name in enumerate(kernel.arg_names):
         if name in constants:
             signature[name] = "constexpr"
