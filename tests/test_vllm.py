@@ -536,6 +536,20 @@ def test_decode_refuses_what_it_cannot_serve_in_one_line(change, named):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="a CPU test")
+@pytest.mark.parametrize("block_table", [torch.zeros(1, dtype=torch.int32), [[0]]], ids=["1d", "list"])
+def test_decode_refuses_a_block_table_of_another_rank_in_one_line(block_table):
+    """block_table must be [batch, max_blocks]: another rank (or no tensor) is refused naming it, not an IndexError
+    or AttributeError from reading its width."""
+    arguments = vllm.preset_arguments("turboquant_4bit_nc", 128)
+    with pytest.raises(vllm.VllmArgumentError) as refusal:
+        vllm.triton_turboquant_decode_attention(
+            torch.zeros(1, 4, 128), torch.zeros(2, 16, 1, 134, dtype=torch.uint8), block_table,
+            torch.ones(1, dtype=torch.int32), torch.eye(128), torch.zeros(16), 0.1, **arguments)
+    message = str(refusal.value)
+    assert "block_table must be [batch, max_blocks_per_seq]" in message and "\n" not in message
+
+
+@pytest.mark.skipif(not INTERPRET, reason="a CPU test")
 def test_store_and_dequantize_refuse_in_one_line():
     key = torch.zeros(1, 1, 128)
     cache = torch.zeros(2, 16, 1, 134, dtype=torch.uint8)
@@ -738,6 +752,15 @@ def test_planes_layout_refusals_in_one_line(monkeypatch):
     use_layout(monkeypatch, "pages")
     with pytest.raises(vllm.VllmArgumentError, match="TQGEN_VLLM_CACHE_LAYOUT='pages' is not one of slots, planes"):
         vllm.cache_layout()
+
+
+def test_set_cache_layout_refuses_an_unknown_layout_before_any_call(monkeypatch):
+    """A misspelt layout is refused before the first call too (it then ran slots as if nothing were wrong), and the
+    layout stays as it was."""
+    use_layout(monkeypatch, "slots")
+    with pytest.raises(vllm.VllmArgumentError, match="cache layout 'plane' is not one of slots, planes"):
+        vllm.set_cache_layout("plane")
+    assert vllm.cache_layout() == "slots"
 
 
 def test_cache_layout_for_runs_a_layout_with_modules_of_its_own_then_restores(monkeypatch):

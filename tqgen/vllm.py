@@ -154,7 +154,8 @@ def set_cache_layout(layout: str) -> None:
     """Pick the cache layout before the first call; once a drop-in has run it is fixed (caches written so far
     hold that layout), and asking for the other one is refused."""
     global _layout
-    if _modules and cache_layout() != _checked_layout(layout):
+    _checked_layout(layout)  # before any call too: a misspelt name would otherwise run slots silently
+    if _modules and cache_layout() != layout:
         raise VllmArgumentError(f"the cache layout is {cache_layout()!r} since the first call of a drop-in (caches "
                                 f"written since hold it); set {layout!r} before any call")
     _layout = layout
@@ -411,9 +412,11 @@ def triton_turboquant_decode_attention(query, kv_cache, block_table, seq_lens, P
     out = _decode_output(output_buf, buf_holder, batch, num_q_heads, head_dim, query.dtype, device)
     if batch == 0:
         return out
+    # Its width picks the launch below: a block table of another rank is refused here, not by an IndexError.
+    _check_rank(fn, "block_table", block_table, 2, "[batch, max_blocks_per_seq]")
     # vLLM's kernel reads the first B rows of block_table and seq_lens: longer ones (padded for a CUDA graph)
     # are cut to B; shorter ones are refused by the module.
-    if isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.shape[0] > batch:
+    if block_table.shape[0] > batch:
         block_table = block_table[:batch]
     if isinstance(seq_lens, torch.Tensor) and seq_lens.dim() == 1 and seq_lens.shape[0] > batch:
         seq_lens = seq_lens[:batch]
