@@ -107,7 +107,7 @@ def build_files(config_or_path: ConfigLike, out_dir: str | os.PathLike | None = 
 
 def _write(out: Path, files: list[tuple[Path, str]]) -> None:
     """Write the files of one build together (files.write_atomic_group), or say in one line why not."""
-    _make_folder(out)
+    make_folder(out)
     try:
         write_atomic_group([(path, source.encode("utf-8")) for path, source in files])
     except GroupWriteError as exc:
@@ -115,7 +115,7 @@ def _write(out: Path, files: list[tuple[Path, str]]) -> None:
                          f"({_why(exc.cause)})") from None
 
 
-def _make_folder(out: Path) -> None:
+def make_folder(out: Path) -> None:
     """Create the output folder, or say in one line why it cannot be."""
     if out.exists() and not out.is_dir():
         raise TqgenError(f"the folder {out} cannot be written: it is a file, not a folder")
