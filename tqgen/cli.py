@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .buckets import DEFAULT_BATCHES, DEFAULT_CONTEXTS, DEFAULT_GROUP_SIZES
 from .errors import TqgenError
+from .files import make_folder, write_failure_reason
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -190,7 +191,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise TqgenError("bench: --chart draws the decode rows; add decode to --ops")
         chart.require_matplotlib()  # fail before the GPU work, not after it
     if args.json:
-        emit.make_folder(Path(args.json).parent)  # likewise: a folder that cannot be made loses the whole run
+        make_folder(Path(args.json).parent)  # likewise: a folder that cannot be made loses the whole run
     configs = [emit.as_config(path) for path in args.configs]
     if args.batch or args.context:
         if not (args.batch and args.context):
@@ -235,7 +236,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         try:
             bench.write_json(args.json, document)
         except OSError as exc:  # the table above has the rows
-            raise TqgenError(f"cannot write the JSON to {args.json}: {exc.strerror or exc}") from None
+            raise TqgenError(f"cannot write the JSON to {args.json}: {write_failure_reason(exc)}") from None
     if args.chart:
         chart.draw(document, args.chart)
         print(f"chart: {args.chart}")

@@ -39,7 +39,7 @@ from . import __version__
 from .buckets import bucket_sort_key
 from .config import Config
 from .errors import TqgenError
-from .files import write_atomic
+from .files import make_folder, write_atomic, write_failure_reason
 
 # 2: matched on kernel_hash instead of template_hash; 3: kernel_hash over the decode path's definitions
 # (render.decode_kernel_hash), no longer over the text of a hand-kept list of templates.
@@ -200,18 +200,12 @@ def locked(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
     The holder deletes the lock file when it is done, so a tune leaves nothing beside the tuned files (a wheel
     packs all of tuned/); a waiter that locked the deleted file locks the name's new one (_lock_name)."""
     lock_path = path.with_name(path.name + ".lock")
-    from .emit import _why
-
-    # A folder that cannot be made or takes no files: one line, not a traceback.
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise TqgenError(f"the folder {path.parent} cannot be written: it cannot be created ({_why(exc)})") from None
-    try:
+    make_folder(path.parent)  # or one line saying why it cannot be
+    try:  # a folder that takes no files: one line too, not a traceback
         handle = _lock_name(lock_path, timeout_s)
     except OSError as exc:
         raise TqgenError(f"the folder {path.parent} cannot be written: {lock_path.name} cannot be created "
-                         f"({_why(exc)})") from None
+                         f"({write_failure_reason(exc)})") from None
     with handle:  # closing the handle releases the lock
         try:
             yield
@@ -262,7 +256,7 @@ def save_bucket(path: Path, metadata: dict[str, Any], key: str, entry: dict[str,
         try:
             write_atomic(path, (json.dumps(document, indent=1) + "\n").encode("utf-8"))
         except OSError as exc:  # a full disk: the file keeps its earlier buckets (write_atomic)
-            raise TqgenError(f"{path} cannot be written ({exc.strerror or exc}); it keeps its earlier "
+            raise TqgenError(f"{path} cannot be written ({write_failure_reason(exc)}); it keeps its earlier "
                              f"buckets") from None
 
 
