@@ -1,21 +1,27 @@
 """The `tqgen` command line, run as a real subprocess (as a user runs it)."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tqgen import config as config_mod
-from tqgen import dispatch, tuned_files
+from tqgen import dispatch, tuned_files, tuner
 from tqgen import render as render_mod
 
 REPO = Path(__file__).resolve().parent.parent
 K3V4 = "configs/k3v4-d128.yaml"
 K8V4 = "configs/k8v4-d128.yaml"
 GOOD_YAML = "key_format: mse\nkey_bits: 3\nvalue_bits: 4\nhead_dim: 128\n"
+SM90_YAML = GOOD_YAML + "arch: sm90\n"
+SHIPPED = REPO / "tuned" / "NVIDIA_H200" / "tq_kmse3_v4_d128_p16_nc_hadamard_sm90.json"
+FINGERPRINT = {"device_name": "Test GPU", "compute_capability": "9.0", "sm_count": 4,
+               "triton_version": "3.6.0", "torch_version": "2.11.0"}
 
 
 def tqgen(*args) -> subprocess.CompletedProcess:
@@ -299,3 +305,77 @@ def test_verify_on_cuda_without_a_gpu_fails_with_one_line(tmp_path, interpret):
 
 def test_bench_without_a_gpu_fails_with_one_line():
     assert "needs a CUDA GPU" in assert_one_line_error(tqgen("bench", K3V4))
+
+
+def _drop(field):
+    return lambda document: document["metadata"].pop(field)
+
+
+def _first_best(field, value):
+    return lambda document: next(iter(document["buckets"].values()))["best"].__setitem__(field, value)
+
+
+@pytest.mark.parametrize("damage", [
+    pytest.param(lambda d: d["buckets"].__setitem__("default", next(iter(d["buckets"].values()))), id="odd-bucket-key"),
+    pytest.param(_drop("device_name"), id="no-device-name"),
+    pytest.param(lambda d: d["metadata"].__setitem__("device_name", None), id="null-device-name"),
+    pytest.param(_drop("triton_version"), id="no-triton-version"),
+    pytest.param(_first_best("block_kv", -1), id="negative-block-kv"),
+    pytest.param(_first_best("num_warps", True), id="boolean-warps"),
+])
+@pytest.mark.parametrize("command", ["build", "show"])
+def test_a_damaged_tuned_file_is_reported_and_ignored_by_build_and_show(tmp_path, damage, command):
+    document = json.loads(SHIPPED.read_text())
+    damage(document)
+    tuned = tmp_path / "tuned" / "NVIDIA_H200"
+    tuned.mkdir(parents=True)
+    (tuned / SHIPPED.name).write_text(json.dumps(document))
+    config = tmp_path / "sm90.yaml"
+    config.write_text(SM90_YAML)
+    extra = ["-o", tmp_path / "out"] if command == "build" else []
+    result = tqgen(command, config, "--tuned-dir", tmp_path / "tuned", *extra)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    said = result.stderr + result.stdout
+    assert f"tqgen: ignoring {tuned / SHIPPED.name}" in said
+    assert "another setup" not in said  # ignored for its damage, not as a stale file
+    assert "none" in result.stdout
+
+
+@pytest.mark.parametrize("option, value", [("--kv-heads", "0"), ("--kv-heads", "-2"), ("--group-size", "0"),
+                                           ("--group-size", "-1")])
+def test_tune_refuses_non_positive_heads_with_one_line_before_tuning(tmp_path, monkeypatch, capsys, option, value):
+    from tqgen import cli
+
+    # As on a GPU, but nothing may be tuned: the check comes first.
+    monkeypatch.setattr(cli, "_cuda_available", lambda: True)
+    monkeypatch.setattr(tuned_files, "device_fingerprint", lambda: FINGERPRINT)
+    monkeypatch.setattr(tuner, "tune", lambda *a, **k: pytest.fail("tuned with a bad option"))
+    config = tmp_path / "k3v4.yaml"
+    config.write_text("key_format: mse\nkey_bits: 3\nvalue_bits: 4\nhead_dim: 64\n")
+    status = cli.main(["tune", str(config), "--tuned-dir", str(tmp_path / "tuned"), "--cache-dir", str(tmp_path / "c"),
+                       "--batch", "1", "--context", "100", "--compile-workers", "1", option, value])
+    stderr = capsys.readouterr().err
+    assert status == 2 and stderr.startswith("tqgen: error: tune: ") and stderr.count("\n") == 1, stderr
+    assert option in stderr
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_bench_json_to_a_folder_that_takes_no_files_fails_with_one_line(tmp_path, monkeypatch, capsys, where):
+    from tqgen import bench, cli
+
+    # As on a GPU, with a stand-in for the timed store (the JSON is written after every timing).
+    monkeypatch.setattr(cli, "_cuda_available", lambda: True)
+    monkeypatch.setattr(bench, "copy_ceiling_gbps", lambda: 1000.0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Test GPU")
+    monkeypatch.setattr(bench, "bench_store", lambda module, config, tokens, **k: bench.OpRow(
+        config=config.name, op="store", shape=f"{tokens} tokens", graph_us=1.0, nbytes=1, gbps=1.0, ceiling_pct=0.1))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    if where == "proc" and not Path("/proc/self").is_dir():
+        pytest.skip("needs Linux's /proc")
+    target = blocker / "bench.json" if where == "under-a-file" else Path("/proc/bench.json")  # /proc: no new files
+    status = cli.main(["bench", str(REPO / "configs/k3v4-d128.yaml"), "--ops", "store", "--store-tokens", "32",
+                       "--cache-dir", str(tmp_path / "c"), "--json", str(target)])
+    stderr = capsys.readouterr().err
+    assert status == 2 and stderr.startswith("tqgen: error: ") and stderr.count("\n") == 1, stderr
+    assert str(target.parent) in stderr

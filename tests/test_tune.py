@@ -4,6 +4,7 @@ The tuner runs the real kernels under the interpreter with a wall-clock
 timer; on the GPU `tqgen tune` uses CUDA-graph timings instead.
 """
 
+import errno
 import json
 import multiprocessing
 import os
@@ -746,3 +747,42 @@ def test_precompile_runs_nothing_on_one_worker_or_off_cuda(setup, monkeypatch):
     tuner.precompile(module, config, BUCKETS, SPACE, workers=1, device="cuda", progress=lines.append)
     tuner.precompile(module, config, BUCKETS, SPACE, workers=8, device="cpu", progress=lines.append)
     assert lines == []
+
+
+def _unwritable_roots(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    roots = [blocker / "tuned"]
+    if Path("/proc/self").is_dir():
+        roots.append(Path("/proc/tqgen-tuned"))  # takes no new folders, even from root
+    return roots
+
+
+@pytest.mark.parametrize("root_kind", ["under-a-file", "proc"])
+@pytest.mark.parametrize("force", [False, True])
+def test_tuning_into_an_unwritable_folder_fails_with_one_line_before_timing(setup, tmp_path, force, root_kind):
+    config, module = setup
+    roots = _unwritable_roots(tmp_path)
+    if root_kind == "proc" and len(roots) < 2:
+        pytest.skip("needs Linux's /proc")
+    for root in roots[:1] if root_kind == "under-a-file" else roots[1:]:
+        with pytest.raises(TqgenError, match="cannot be written") as caught:
+            tuner.tune(config, module, [(1, 1, 100)], SPACE, root=root, fingerprint=FINGERPRINT,
+                       timer=lambda fn: pytest.fail("timed a bucket it cannot save"), num_kv_heads=1,
+                       device="cpu", force=force, progress=lambda line: None)
+        assert "\n" not in str(caught.value)
+
+
+def test_a_failed_save_of_a_tuned_bucket_is_one_line_and_keeps_the_file(setup, tmp_path, monkeypatch):
+    config, _ = setup
+    metadata = tuned_files.make_metadata(config, FINGERPRINT)
+    path = tuned_files.tuned_path(tmp_path, "Test GPU", config)
+    entry = {"best": {"block_kv": 32, "num_warps": 1, "num_stages": 1, "num_splits": 1}}
+    tuned_files.save_bucket(path, metadata, "g1_b1_t256", entry)
+    before = path.read_bytes()
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(TqgenError) as caught:
+        tuned_files.save_bucket(path, metadata, "g1_b2_t256", entry)
+    monkeypatch.undo()
+    assert "\n" not in str(caught.value) and "No space left on device" in str(caught.value)
+    assert path.read_bytes() == before and sorted(p.name for p in path.parent.iterdir()) == [path.name]

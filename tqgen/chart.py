@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from .errors import TqgenError
+from .files import write_failure_reason
 
 
 def require_matplotlib():
@@ -76,7 +77,7 @@ def draw(payload: dict, path) -> Path:
         figure.savefig(partial, dpi=110)
         os.replace(partial, path)
     except OSError as exc:
-        raise TqgenError(f"cannot write the chart to {path}: {exc.strerror or exc}") from None
+        raise TqgenError(f"cannot write the chart to {path}: {write_failure_reason(exc)}") from None
     finally:
         plt.close(figure)
         partial.unlink(missing_ok=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .buckets import DEFAULT_BATCHES, DEFAULT_CONTEXTS, DEFAULT_GROUP_SIZES
 from .errors import TqgenError
+from .files import make_folder, write_failure_reason
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -189,6 +190,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if "decode" not in args.ops:
             raise TqgenError("bench: --chart draws the decode rows; add decode to --ops")
         chart.require_matplotlib()  # fail before the GPU work, not after it
+    if args.json:
+        make_folder(Path(args.json).parent)  # likewise: a folder that cannot be made loses the whole run
     configs = [emit.as_config(path) for path in args.configs]
     if args.batch or args.context:
         if not (args.batch and args.context):
@@ -230,7 +233,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     print(bench.format_table(rows, ceiling, op_rows, vllm_rows))
     document = bench.payload(rows, ceiling, bench.run_metadata(args.q_heads, args.kv_heads), op_rows, vllm_rows)
     if args.json:
-        bench.write_json(args.json, document)
+        try:
+            bench.write_json(args.json, document)
+        except OSError as exc:  # the table above has the rows
+            raise TqgenError(f"cannot write the JSON to {args.json}: {write_failure_reason(exc)}") from None
     if args.chart:
         chart.draw(document, args.chart)
         print(f"chart: {args.chart}")
@@ -275,6 +281,11 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         raise TqgenError("tune: --warps, --stages and --splits take positive integers")
     if args.compile_workers < 1:
         raise TqgenError(f"tune: --compile-workers takes a positive integer, got {args.compile_workers}")
+    # Else a ZeroDivisionError or a negative tensor size once the first bucket is drawn.
+    if args.kv_heads < 1:
+        raise TqgenError(f"tune: --kv-heads takes a positive integer, got {args.kv_heads}")
+    if any(g < 1 for g in args.group_size):
+        raise TqgenError(f"tune: --group-size takes positive integers, got {args.group_size}")
     buckets = default_buckets(args.group_size, args.batch, args.context)
     root = Path(args.tuned_dir) if args.tuned_dir else emit.default_tuned_dir()
     fingerprint = tuned_files.device_fingerprint()

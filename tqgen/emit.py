@@ -25,7 +25,7 @@ from . import config as config_mod
 from . import dispatch
 from .config import Config
 from .errors import TqgenError
-from .files import GroupWriteError, write_atomic_group
+from .files import GroupWriteError, make_folder, write_atomic_group, write_failure_reason
 from .render import render
 
 ConfigLike = Union[Config, str, os.PathLike]
@@ -107,30 +107,12 @@ def build_files(config_or_path: ConfigLike, out_dir: str | os.PathLike | None = 
 
 def _write(out: Path, files: list[tuple[Path, str]]) -> None:
     """Write the files of one build together (files.write_atomic_group), or say in one line why not."""
-    _make_folder(out)
+    make_folder(out)
     try:
         write_atomic_group([(path, source.encode("utf-8")) for path, source in files])
     except GroupWriteError as exc:
         raise TqgenError(f"the folder {out} cannot be written: {exc.path} cannot be created "
-                         f"({_why(exc.cause)})") from None
-
-
-def _make_folder(out: Path) -> None:
-    """Create the output folder, or say in one line why it cannot be."""
-    if out.exists() and not out.is_dir():
-        raise TqgenError(f"the folder {out} cannot be written: it is a file, not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise TqgenError(f"the folder {out} cannot be written: it cannot be created ({_why(exc)})") from None
-
-
-def _why(exc: OSError) -> str:
-    """The system's reason, except 'No such file or directory': what /proc and the like answer for a
-    name they do not take, which would point at the wrong thing."""
-    if isinstance(exc, FileNotFoundError) or not exc.strerror:
-        return "the file system does not allow it"
-    return exc.strerror
+                         f"({write_failure_reason(exc.cause)})") from None
 
 
 def import_module_file(path: str | os.PathLike) -> ModuleType:

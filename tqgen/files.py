@@ -16,6 +16,27 @@ import os
 import tempfile
 from pathlib import Path
 
+from .errors import TqgenError
+
+
+def write_failure_reason(exc: OSError) -> str:
+    """Why a file or folder could not be written, in words: the system's reason, except 'No such file or
+    directory', what /proc and the like answer for a name they do not take, which would point at the wrong thing."""
+    if isinstance(exc, FileNotFoundError) or not exc.strerror:
+        return "the file system does not allow it"
+    return exc.strerror
+
+
+def make_folder(out: Path) -> None:
+    """Create a folder to write into (and its parents), or say in one line why it cannot be (TqgenError)."""
+    if out.exists() and not out.is_dir():
+        raise TqgenError(f"the folder {out} cannot be written: it is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TqgenError(f"the folder {out} cannot be written: it cannot be created "
+                         f"({write_failure_reason(exc)})") from None
+
 
 class GroupWriteError(OSError):
     """A file of a group could not be written: `path` names it, `cause` is the system's error."""

@@ -39,7 +39,7 @@ from . import __version__
 from .buckets import bucket_sort_key
 from .config import Config
 from .errors import TqgenError
-from .files import write_atomic
+from .files import make_folder, write_atomic, write_failure_reason
 
 # 2: matched on kernel_hash instead of template_hash; 3: kernel_hash over the decode path's definitions
 # (render.decode_kernel_hash), no longer over the text of a hand-kept list of templates.
@@ -57,6 +57,8 @@ ROTATE_FIELD = "rotate_query"
 # merged its own splits (one kernel fewer), false where stage 2 did. Absent, stage 2 merges.
 MERGE_FIELD = "merge_in_stage1"
 LOCK_TIMEOUT_S = 60.0
+# What buckets.bucket_key writes.
+BUCKET_KEY = re.compile(r"g\d+_b\d+_t\d+")
 
 
 def device_fingerprint(device_index: int = 0) -> dict[str, Any]:
@@ -150,9 +152,16 @@ def _read_document(path: Path, expected: dict[str, Any], fields: tuple[str, ...]
                  if metadata.get(field) != expected.get(field)]
     if differing:
         raise Unusable(f"{path}: tuned for another setup ({'; '.join(differing)})")
+    # A build bakes these two beside the buckets (baked_launches), and render sorts the keys as bucket keys.
+    for field in ("device_name", "triton_version"):
+        if not isinstance(metadata.get(field), str):
+            raise Unusable(f"{path}: metadata {field} is {metadata.get(field)!r}, expected a string")
     for key, entry in document["buckets"].items():
+        if not BUCKET_KEY.fullmatch(key):
+            raise Unusable(f"{path}: bucket {key!r} is not a bucket key like 'g4_b32_t8192'")
         best = entry.get("best") if isinstance(entry, dict) else None
-        if not (isinstance(best, dict) and all(isinstance(best.get(f), int) for f in LAUNCH_FIELDS)
+        # type(...) is int: a JSON true is an int to isinstance, and no launch field takes it.
+        if not (isinstance(best, dict) and all(type(best.get(f)) is int and best[f] > 0 for f in LAUNCH_FIELDS)
                 and isinstance(best.get(ROTATE_FIELD, False), bool) and isinstance(best.get(MERGE_FIELD, False), bool)):
             raise Unusable(f"{path}: bucket {key!r} has no valid 'best' launch")
     return document
@@ -190,13 +199,25 @@ def locked(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
 
     The holder deletes the lock file when it is done, so a tune leaves nothing beside the tuned files (a wheel
     packs all of tuned/); a waiter that locked the deleted file locks the name's new one (_lock_name)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     lock_path = path.with_name(path.name + ".lock")
-    with _lock_name(lock_path, timeout_s):  # closing the handle releases the lock
+    make_folder(path.parent)  # or one line saying why it cannot be
+    try:  # a folder that takes no files: one line too, not a traceback
+        handle = _lock_name(lock_path, timeout_s)
+    except OSError as exc:
+        raise TqgenError(f"the folder {path.parent} cannot be written: {lock_path.name} cannot be created "
+                         f"({write_failure_reason(exc)})") from None
+    with handle:  # closing the handle releases the lock
         try:
             yield
         finally:
             lock_path.unlink(missing_ok=True)  # while still locked: no one else holds this name's file
+
+
+def check_writable(path: Path) -> None:
+    """Create the tuned file's folder and take and drop its lock, or say in one line why that cannot be (TqgenError):
+    before a tune times anything it could not save."""
+    with locked(path):
+        pass
 
 
 def set_aside_unusable(path: Path, expected: dict[str, Any]) -> tuple[Path | None, dict[str, Any]]:
@@ -232,7 +253,11 @@ def save_bucket(path: Path, metadata: dict[str, Any], key: str, entry: dict[str,
         buckets = {**buckets, key: entry}
         ordered = dict(sorted(buckets.items(), key=lambda item: bucket_sort_key(item[0])))
         document = {"metadata": metadata, "buckets": ordered}
-        write_atomic(path, (json.dumps(document, indent=1) + "\n").encode("utf-8"))
+        try:
+            write_atomic(path, (json.dumps(document, indent=1) + "\n").encode("utf-8"))
+        except OSError as exc:  # a full disk: the file keeps its earlier buckets (write_atomic)
+            raise TqgenError(f"{path} cannot be written ({write_failure_reason(exc)}); it keeps its earlier "
+                             f"buckets") from None
 
 
 def baked_launches(root: Path, config: Config, warn) -> dict[str, dict]:

@@ -288,6 +288,7 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
                          "(or module.DEPENDENT_LAUNCH = False) first")
     metadata = tuned_files.make_metadata(config, fingerprint)
     path = tuned_files.tuned_path(root, metadata["device_name"], config)
+    tuned_files.check_writable(path)  # else the first bucket's minutes of timing end in an error saving it
     try:
         done = tuned_files.read(path, metadata)
     except tuned_files.Unusable as exc:
