@@ -21,6 +21,8 @@ DEFAULT_BATCHES = (1, 2, 4, 8, 32, 64, 128)
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 65536)
 # Query heads per KV head: MHA (1), Llama-3-8B and its kin (4), Llama-3-70B, Qwen3 and GPT-OSS (8), 128 / 8 (16).
 DEFAULT_GROUP_SIZES = (1, 4, 8, 16)
+# What bucket_key writes (a tuned file's bucket keys are checked against it).
+BUCKET_KEY_PATTERN = re.compile(r"g\d+_b\d+_t\d+")
 
 
 def bucket_key(group_size, batch, context):

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import __version__
-from .buckets import bucket_sort_key
+from .buckets import BUCKET_KEY_PATTERN, bucket_sort_key
 from .config import Config
 from .errors import TqgenError
 from .files import make_folder, write_atomic, write_failure_reason
@@ -57,8 +57,6 @@ ROTATE_FIELD = "rotate_query"
 # merged its own splits (one kernel fewer), false where stage 2 did. Absent, stage 2 merges.
 MERGE_FIELD = "merge_in_stage1"
 LOCK_TIMEOUT_S = 60.0
-# What buckets.bucket_key writes.
-BUCKET_KEY = re.compile(r"g\d+_b\d+_t\d+")
 
 
 def device_fingerprint(device_index: int = 0) -> dict[str, Any]:
@@ -157,7 +155,7 @@ def _read_document(path: Path, expected: dict[str, Any], fields: tuple[str, ...]
         if not isinstance(metadata.get(field), str):
             raise Unusable(f"{path}: metadata {field} is {metadata.get(field)!r}, expected a string")
     for key, entry in document["buckets"].items():
-        if not BUCKET_KEY.fullmatch(key):
+        if not BUCKET_KEY_PATTERN.fullmatch(key):
             raise Unusable(f"{path}: bucket {key!r} is not a bucket key like 'g4_b32_t8192'")
         best = entry.get("best") if isinstance(entry, dict) else None
         # type(...) is int: a JSON true is an int to isinstance, and no launch field takes it.
