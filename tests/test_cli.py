@@ -342,8 +342,8 @@ def test_a_damaged_tuned_file_is_reported_and_ignored_by_build_and_show(tmp_path
 
 
 @pytest.mark.parametrize("option, value", [("--kv-heads", "0"), ("--kv-heads", "-2"), ("--group-size", "0"),
-                                           ("--group-size", "-1")])
-def test_tune_refuses_non_positive_heads_with_one_line_before_tuning(tmp_path, monkeypatch, capsys, option, value):
+                                           ("--group-size", "-1"), ("--batch", "0"), ("--context", "0")])
+def test_tune_refuses_non_positive_shapes_with_one_line_before_tuning(tmp_path, monkeypatch, capsys, option, value):
     from tqgen import cli
 
     # As on a GPU, but nothing may be tuned: the check comes first.
@@ -379,3 +379,17 @@ def test_bench_json_to_a_folder_that_takes_no_files_fails_with_one_line(tmp_path
     stderr = capsys.readouterr().err
     assert status == 2 and stderr.startswith("tqgen: error: ") and stderr.count("\n") == 1, stderr
     assert str(target.parent) in stderr
+
+
+@pytest.mark.parametrize("options", [["--q-heads", "12"], ["--kv-heads", "0"], ["--q-heads", "-8"],
+                                     ["--batch", "0", "--context", "1024"], ["--batch", "1", "--context", "-1"]])
+def test_bench_refuses_bad_heads_and_shapes_with_one_line_before_timing(monkeypatch, capsys, options):
+    from tqgen import bench, cli
+
+    # As on a GPU, but nothing may be timed: the checks come first.
+    monkeypatch.setattr(cli, "_cuda_available", lambda: True)
+    monkeypatch.setattr(bench, "copy_ceiling_gbps", lambda: pytest.fail("timed with a bad option"))
+    status = cli.main(["bench", str(REPO / K3V4), *options])
+    stderr = capsys.readouterr().err
+    assert status == 2 and stderr.startswith("tqgen: error: bench: ") and stderr.count("\n") == 1, stderr
+    assert options[0] in stderr

@@ -192,10 +192,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         chart.require_matplotlib()  # fail before the GPU work, not after it
     if args.json:
         make_folder(Path(args.json).parent)  # likewise: a folder that cannot be made loses the whole run
+    if args.q_heads < 1 or args.kv_heads < 1 or args.q_heads % args.kv_heads:
+        raise TqgenError(f"bench: --q-heads {args.q_heads} must be a positive multiple of --kv-heads {args.kv_heads}")
     configs = [emit.as_config(path) for path in args.configs]
     if args.batch or args.context:
         if not (args.batch and args.context):
             raise TqgenError("bench: --batch and --context go together")
+        if any(v < 1 for v in args.batch + args.context):
+            raise TqgenError(f"bench: --batch and --context take positive integers, got {args.batch} and "
+                             f"{args.context}")
         shapes = [(b, c) for b in args.batch for c in args.context]
     else:
         shapes = [_parse_shape(text) for text in args.shapes]
@@ -286,6 +291,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         raise TqgenError(f"tune: --kv-heads takes a positive integer, got {args.kv_heads}")
     if any(g < 1 for g in args.group_size):
         raise TqgenError(f"tune: --group-size takes positive integers, got {args.group_size}")
+    if any(v < 1 for v in args.batch + args.context):  # else tuned as another bucket's shapes, silently
+        raise TqgenError(f"tune: --batch and --context take positive integers, got {args.batch} and {args.context}")
     buckets = default_buckets(args.group_size, args.batch, args.context)
     root = Path(args.tuned_dir) if args.tuned_dir else emit.default_tuned_dir()
     fingerprint = tuned_files.device_fingerprint()
