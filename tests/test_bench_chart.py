@@ -91,3 +91,66 @@ def test_chart_write_and_read_failures_are_one_line_errors(tmp_path, capsys):
     assert cli.main(["chart", str(tmp_path), str(tmp_path / "chart.png")]) == 2  # a folder, not a JSON file
     err = capsys.readouterr().err.strip()
     assert "cannot be read" in err and "\n" not in err and not (tmp_path / "chart.png").exists()
+
+
+def _timed_decode(monkeypatch, *, plain_ms, graph_ms, sdpa_ms, batch=2, context=64, q_heads=12, kv_heads=4):
+    """bench_decode on the CPU: a stand-in module and problem, the timers replaced by fixed times (graph replays in
+    the order bench takes them: decode's launch, the seed's, the heuristic's, then SDPA, which runs once for real)."""
+    import types
+
+    import torch
+    import triton.testing
+
+    head_dim, sdpa_outputs = 16, []
+    module = types.SimpleNamespace(
+        SLOT_BYTES=118, TUNED_LAUNCHES={}, bucket_key=lambda *a: "b", DecodeWorkspace=lambda *a: None,
+        decode_launch=lambda *a: (32, 1, 2, 8), decode_launch_defaults=lambda *a: (32, 1, 2, 8),
+        decode=lambda *a, **k: None)
+    monkeypatch.setattr(bench, "random_problem", lambda module, config, b, t, hq, hk, device: {
+        "cache": torch.zeros(1), "block_table": None, "seq_lens": None,
+        "query": torch.randn(b, hq, head_dim, dtype=torch.float16)})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Test GPU")
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **k: plain_ms)
+    graph_times = [graph_ms, 3 * graph_ms, 2 * graph_ms, sdpa_ms]
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph",
+                        lambda fn, **k: sdpa_outputs.append(fn()) or graph_times.pop(0))
+    config = types.SimpleNamespace(name="k3v4-d128")
+    row = bench.bench_decode(module, config, batch, context, ceiling_gbps=4000.0, num_q_heads=q_heads,
+                             num_kv_heads=kv_heads, device="cpu")
+    return row, sdpa_outputs[-1]
+
+
+def test_decode_speedup_over_sdpa_is_of_the_graph_time_the_row_reports(monkeypatch):
+    # SDPA is timed as a graph replay, and the tables print it beside the decode's graph replay time: a plain-launch
+    # time that happens to be faster must not make the decode look faster than SDPA.
+    row, _ = _timed_decode(monkeypatch, plain_ms=0.090, graph_ms=0.100, sdpa_ms=0.250)
+    assert row.graph_us == pytest.approx(100.0) and row.sdpa_us == pytest.approx(250.0)
+    assert row.speedup_vs_sdpa == pytest.approx(row.sdpa_us / row.graph_us)
+
+
+def test_decode_bytes_and_sdpa_shape_follow_the_head_counts(monkeypatch):
+    batch, context, q_heads, kv_heads = 2, 64, 12, 4
+    row, sdpa_out = _timed_decode(monkeypatch, plain_ms=0.2, graph_ms=0.1, sdpa_ms=0.3, batch=batch, context=context,
+                                  q_heads=q_heads, kv_heads=kv_heads)
+    nbytes = batch * kv_heads * context * 118
+    assert row.gbps == pytest.approx(nbytes / 100e-6 / 1e9)
+    assert row.ceiling_pct == pytest.approx(100 * row.gbps / 4000.0)
+    assert tuple(sdpa_out.shape) == (batch, q_heads, 1, 16)
+    assert row.speedup_vs_seed_launch == pytest.approx(3.0) and row.speedup_vs_heuristic == pytest.approx(2.0)
+
+
+def test_bench_tables_speedup_over_sdpa_agrees_with_the_times_it_prints():
+    # The committed runs: each decode row's "x fp16 SDPA" must be its "fp16 SDPA us" over its "us" (graph replays).
+    import pathlib
+
+    import bench_tables
+
+    folder = pathlib.Path(__file__).resolve().parent.parent / "docs" / "bench"
+    documents = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
+    rows = [line.split("|")[1:-1] for line in bench_tables.tables(documents).splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip()[:1].isdigit()]
+    assert rows
+    for _, us, _, speedup, sdpa_us, _ in rows:  # each printed to 0.1 us, the speedup to 0.01
+        us, speedup, sdpa_us = float(us), float(speedup), float(sdpa_us)
+        ratio = sdpa_us / us
+        assert abs(speedup - ratio) <= 0.005 + ratio * (0.05 / us + 0.05 / sdpa_us) + 1e-9, (us, speedup, sdpa_us)
