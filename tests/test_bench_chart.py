@@ -154,3 +154,19 @@ def test_bench_tables_speedup_over_sdpa_agrees_with_the_times_it_prints():
         us, speedup, sdpa_us = float(us), float(speedup), float(sdpa_us)
         ratio = sdpa_us / us
         assert abs(speedup - ratio) <= 0.005 + ratio * (0.05 / us + 0.05 / sdpa_us) + 1e-9, (us, speedup, sdpa_us)
+
+
+def test_bench_tables_keep_runs_of_other_head_counts_apart():
+    # The group-size runs: the same configs and shapes at 64 and 128 query heads over 8 KV heads.
+    import pathlib
+
+    import bench_tables
+
+    folder = pathlib.Path(__file__).resolve().parent.parent / "docs" / "bench"
+    documents = [json.loads((folder / f"2026-12-04-planes-g{g}-tuned.json").read_text()) for g in ("64-8", "128-8")]
+    sections = bench_tables.tables(documents).split("### ")[1:]
+    for section in sections:  # each table holds one run's head count: every shape once
+        shapes = [line.split("|")[1] for line in section.splitlines() if line.startswith("| 32 x")]
+        assert len(shapes) == len(set(shapes)) == 2, section
+    assert sum("64/8 heads" in section.splitlines()[0] for section in sections) == 4
+    assert sum("128/8 heads" in section.splitlines()[0] for section in sections) == 4

@@ -22,16 +22,18 @@ def tables(documents: list[dict]) -> str:
         meta = document["metadata"]
         runs.append(f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
                     f"{meta['q_heads']}/{meta['kv_heads']} heads, copy ceiling {document['copy_ceiling_gbps']:.0f} GB/s")
-        for row in document["rows"]:
-            decode[row["config"]].append(row)
+        for row in document["rows"]:  # a table per config and head count: rows of other head counts are not comparable
+            decode[row["config"], meta["q_heads"], meta["kv_heads"]].append(row)
         for row in document.get("op_rows", []):
             ops[row["config"]].append(row)
     lines = [f"Runs: {'; '.join(runs)}.", ""]
-    for config in sorted(decode, key=lambda name: (name.endswith("planes"), name)):
+    for key in sorted(decode, key=lambda key: (key[0].endswith("planes"), key)):
+        config, q_heads, kv_heads = key
         layout = "planes" if config.endswith("planes") else "slots"
-        lines += [f"### {config.split('-')[0]}, {layout} ({config})", "",
+        heads = "" if (q_heads, kv_heads) == (32, 8) else f", {q_heads}/{kv_heads} heads"  # BENCHMARKS.md's default
+        lines += [f"### {config.split('-')[0]}, {layout} ({config}{heads})", "",
                   "| batch x context | us | % of ceiling | x fp16 SDPA | fp16 SDPA us | launch |", "|---|---|---|---|---|---|"]
-        for row in sorted(decode[config], key=lambda r: (r["batch"], r["context"])):
+        for row in sorted(decode[key], key=lambda r: (r["batch"], r["context"])):
             # x fp16 SDPA from the two graph replays printed beside it (earlier bench versions stored SDPA's time
             # over the faster of the decode's plain and graph times).
             lines.append(f"| {row['batch']} x {row['context']} | {row['graph_us']:.1f} | {row['ceiling_pct']:.1f} "
