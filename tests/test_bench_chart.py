@@ -170,3 +170,22 @@ def test_bench_tables_keep_runs_of_other_head_counts_apart():
         assert len(shapes) == len(set(shapes)) == 2, section
     assert sum("64/8 heads" in section.splitlines()[0] for section in sections) == 4
     assert sum("128/8 heads" in section.splitlines()[0] for section in sections) == 4
+
+
+@pytest.mark.parametrize("output_dtype, element_size", [("float16", 2), ("float32", 4)])
+def test_dequantize_counts_the_bytes_of_the_dtype_it_writes(build_module, monkeypatch, output_dtype, element_size):
+    # A config's output_dtype sets what dequantize writes: float32 K and V are twice fp16's bytes.
+    import triton.testing
+
+    from conftest import INTERPRET, make_config
+
+    if not INTERPRET:
+        pytest.skip("runs the kernel under the interpreter (the timer is a stand-in)")
+    config = make_config("k8v4", head_dim=64, output_dtype=output_dtype)
+    module = build_module(config)
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **k: 0.5)
+    batch, context, kv_heads = 1, 16, 2
+    row = bench.bench_dequantize(module, config, batch, context, ceiling_gbps=1000.0, num_kv_heads=kv_heads,
+                                 device="cpu")
+    slots = batch * kv_heads * context
+    assert row.nbytes == slots * module.SLOT_BYTES + 2 * slots * config.head_dim * element_size

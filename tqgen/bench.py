@@ -273,7 +273,8 @@ def bench_store(module: ModuleType, config: Config, num_tokens: int, *, ceiling_
 
 def bench_dequantize(module: ModuleType, config: Config, batch: int, context: int, *, ceiling_gbps: float,
                      num_kv_heads: int = 8, device="cuda") -> OpRow:
-    """Dense fp16 K and V of full-length sequences; bytes = slots read + fp16 written.
+    """Dense K and V of full-length sequences (fp16 unless the config says otherwise); bytes = slots read + K and V
+    written.
 
     MSE keys under a rotation other than the config's Hadamard matrix also make an fp32 round trip for
     their un-rotation GEMMs; that traffic is not counted, so the percentage is of the useful bytes.
@@ -285,13 +286,12 @@ def bench_dequantize(module: ModuleType, config: Config, batch: int, context: in
     codebook = codebook_kwargs(module, device)
 
     def call():
-        module.dequantize(problem["cache"], problem["block_table"], problem["seq_lens"], max_len=context,
-                          validate=False, **codebook)
+        return module.dequantize(problem["cache"], problem["block_table"], problem["seq_lens"], max_len=context,
+                                 validate=False, **codebook)
 
-    call()
+    written = sum(t.numel() * t.element_size() for t in call())  # K and V in the config's output dtype
     graph_ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
-    slots = batch * num_kv_heads * context
-    nbytes = slots * module.SLOT_BYTES + 2 * slots * config.head_dim * 2
+    nbytes = batch * num_kv_heads * context * module.SLOT_BYTES + written
     return _op_row(config, "dequantize", f"{batch}x{context}", graph_ms, nbytes, ceiling_gbps)
 
 
