@@ -221,6 +221,7 @@ def test_decode_multi_rejects_bad_arguments(device, build_module):
         (dict(out=torch.empty(2, 3, 8, 128, device=device)), "out must be"),
         (dict(workspace=module.DecodeWorkspace(2, 8, 4, device, max_q_len=2), num_splits=2), "workspace holds"),
         (dict(block_kv=16), "block_kv must be"),
+        (dict(scale=torch.tensor(0.1, device=device)), "scale must be"),
     ]
     arguments = dict(query=query, kv_cache=cache, block_table=table, seq_lens=lens)
     for override, message in cases:
@@ -519,6 +520,18 @@ def test_decode_ragged_refuses_bad_query_start_loc_in_one_line(device, build_mod
     with pytest.raises(module.LaunchError, match=named):
         module.decode_ragged(query, cache, batch.block_table, batch.seq_lens,
                              torch.tensor(starts, dtype=torch.int32, device=device), max_query_len)
+
+
+def test_decode_ragged_refuses_an_empty_query_start_loc_in_one_line(device, build_module):
+    """No tokens and a query_start_loc without its leading 0 (batch -1): refused, not an IndexError."""
+    config = make_config("k8v4", cache_layout="planes")
+    module = build_module(config)
+    cache = module.make_cache(2, 2, device)
+    table = torch.zeros(0, 1, dtype=torch.int32, device=device)
+    lens = torch.zeros(0, dtype=torch.int32, device=device)
+    starts = torch.zeros(0, dtype=torch.int32, device=device)
+    with pytest.raises(module.LaunchError, match="must have batch \\+ 1 entries for 0 query tokens"):
+        module.decode_ragged(torch.zeros(0, 8, 128, device=device), cache, table, lens, starts, 4)
 
 
 @pytest.mark.gpu

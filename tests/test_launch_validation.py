@@ -201,6 +201,7 @@ ROWS = [
     ("store-slot_mapping_elsewhere", call("store", slot_mapping=elsewhere("slot_mapping")), "slot_mapping is on", ()),
     ("store-rotation_elsewhere", call("store", rotation=elsewhere("rotation")), "rotation is on", (MSE,)),
     ("store-centroids_elsewhere", call("store", centroids=elsewhere("centroids")), "centroids is on", (MSE,)),
+    ("store-block_t_3", call("store", block_t=lambda c: 3), "block_t", ()),
     # ---------------- decode ----------------
     ("decode-query_int32", call("decode", query=lambda c: c.query.to(torch.int32)), "query", ()),
     ("decode-query_float64", call("decode", query=lambda c: c.query.double()), "query", ()),
@@ -235,6 +236,8 @@ ROWS = [
         1, KV_HEADS * GROUP, 4, c.device), num_splits=lambda c: 2), "workspace", ()),
     ("decode-num_splits_zero", call("decode", num_splits=lambda c: 0), "num_splits", ()),
     ("decode-block_kv_16", call("decode", block_kv=lambda c: 16), "block_kv", ()),
+    ("decode-scale_tensor", call("decode", scale=lambda c: torch.tensor(0.1, device=c.device)), "scale", ()),
+    ("decode-scale_str", call("decode", scale=lambda c: "0.1"), "scale", ()),
     ("decode-rotation_shape", call("decode", rotation=rotation_shape), "rotation", (MSE,)),
     ("decode-rotation_float64", call("decode", rotation=rotation_fp64), "rotation", (MSE,)),
     ("decode-centroids_short", call("decode", centroids=centroids_short), "centroids", (MSE,)),
@@ -276,6 +279,8 @@ ROWS = [
     ("dequantize-max_len_negative", call("dequantize", max_len=lambda c: -1), "max_len", ()),
     ("dequantize-max_len_float", call("dequantize", max_len=lambda c: 20.0), "max_len", ()),
     ("dequantize-dtype_int32", call("dequantize", dtype=lambda c: torch.int32), "dtype", ()),
+    ("dequantize-block_t_0", call("dequantize", block_t=lambda c: 0), "block_t", ()),
+    ("dequantize-block_t_48", call("dequantize", block_t=lambda c: 48), "block_t", ()),
     ("dequantize-rotation_shape", call("dequantize", rotation=rotation_shape), "rotation", (MSE,)),
     ("dequantize-rotation_1d", call("dequantize", rotation=rotation_1d), "rotation", (MSE,)),
     ("dequantize-centroids_2d", call("dequantize", centroids=centroids_2d), "centroids", (MSE,)),
@@ -325,6 +330,14 @@ def test_wrong_call_is_refused_and_leaves_the_cache_alone(make_ctx, device, pres
     assert "\n" not in message
     for tensor, snapshot in zip(caches, before):
         assert torch.equal(tensor, snapshot), "a refused call changed the cache"
+
+
+@pytest.mark.parametrize("num_blocks, num_kv_heads, named", [(-1, 2, "num_blocks"), (4, -2, "num_kv_heads"),
+                                                             (2.5, 2, "num_blocks")])
+def test_make_cache_refuses_bad_sizes_in_one_line(build_module, num_blocks, num_kv_heads, named):
+    module = build_module(make_config("k3v4"))
+    with pytest.raises(module.LaunchError, match=f"make_cache: {named}"):
+        module.make_cache(num_blocks, num_kv_heads, "cpu")
 
 
 # --------------------------------------------------------------------------
