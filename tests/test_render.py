@@ -302,7 +302,7 @@ def test_source_imports_only_its_runtime_dependencies(config):
             imported.add("." * node.level + (node.module or ""))
     # triton.runtime: the interpreter fix for triton < 3.8 (shared/runtime.py.jinja, _fix_interpreter_index);
     # triton.experimental.gluon...: the Gluon stage 1, where the config has one (triton >= 3.6)
-    standard = {"functools", "inspect", "math", "os", "time", "types", "warnings"}
+    standard = {"functools", "inspect", "math", "numbers", "os", "time", "types", "warnings"}
     assert all(name in standard or name == "torch" or name.split(".")[0] == "triton" for name in imported), imported
     assert not any(name.split(".")[0] == "tqgen" for name in imported)
 
