@@ -198,9 +198,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.batch or args.context:
         if not (args.batch and args.context):
             raise TqgenError("bench: --batch and --context go together")
-        if any(v < 1 for v in args.batch + args.context):
-            raise TqgenError(f"bench: --batch and --context take positive integers, got {args.batch} and "
-                             f"{args.context}")
+        _require_positive("bench", {"--batch": args.batch, "--context": args.context})
         shapes = [(b, c) for b in args.batch for c in args.context]
     else:
         shapes = [_parse_shape(text) for text in args.shapes]
@@ -258,6 +256,15 @@ def _cmd_chart(args: argparse.Namespace) -> int:
 DEFAULT_BENCH_SHAPES = ("1x4096", "8x8192", "32x8192", "64x16384", "128x4096")
 
 
+def _require_positive(command: str, options: dict) -> None:
+    """Refuse in one line a group of count options (name -> values) where any value is below 1."""
+    if any(value < 1 for values in options.values() for value in values):
+        names = list(options)
+        listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        got = ", ".join(f"{name} {list(values)}" for name, values in options.items())
+        raise TqgenError(f"{command}: {listed} take positive integers, got {got}")
+
+
 def _parse_shape(text: str) -> tuple[int, int]:
     try:
         batch, context = (int(part) for part in text.lower().split("x"))
@@ -282,17 +289,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         ("num_splits", args.splits)) if values})
     if any(v < 32 or v & (v - 1) for v in space.block_kv):
         raise TqgenError(f"tune: --block-kv takes powers of two >= 32, got {list(space.block_kv)}")
-    if any(v < 1 for v in space.num_warps + space.num_stages + space.num_splits):
-        raise TqgenError("tune: --warps, --stages and --splits take positive integers")
-    if args.compile_workers < 1:
-        raise TqgenError(f"tune: --compile-workers takes a positive integer, got {args.compile_workers}")
-    # Else a ZeroDivisionError or a negative tensor size once the first bucket is drawn.
-    if args.kv_heads < 1:
-        raise TqgenError(f"tune: --kv-heads takes a positive integer, got {args.kv_heads}")
-    if any(g < 1 for g in args.group_size):
-        raise TqgenError(f"tune: --group-size takes positive integers, got {args.group_size}")
-    if any(v < 1 for v in args.batch + args.context):  # else tuned as another bucket's shapes, silently
-        raise TqgenError(f"tune: --batch and --context take positive integers, got {args.batch} and {args.context}")
+    _require_positive("tune", {"--warps": space.num_warps, "--stages": space.num_stages, "--splits": space.num_splits})
+    _require_positive("tune", {"--compile-workers": [args.compile_workers]})
+    # Else a ZeroDivisionError, a negative tensor size or another bucket's shapes, once the first bucket is drawn.
+    _require_positive("tune", {"--kv-heads": [args.kv_heads]})
+    _require_positive("tune", {"--group-size": args.group_size})
+    _require_positive("tune", {"--batch": args.batch, "--context": args.context})
     buckets = default_buckets(args.group_size, args.batch, args.context)
     root = Path(args.tuned_dir) if args.tuned_dir else emit.default_tuned_dir()
     fingerprint = tuned_files.device_fingerprint()
