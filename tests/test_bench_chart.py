@@ -1,11 +1,14 @@
 """The benchmark's host-side pieces: table, JSON and chart (the timings themselves need a GPU)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from tqgen import bench, chart, cli
 from tqgen.errors import TqgenError
+
+BENCH_RUNS = Path(__file__).resolve().parent.parent / "docs" / "bench"  # the committed runs' JSON
 
 
 def _decode_row(config, batch, context, gbps):
@@ -141,12 +144,9 @@ def test_decode_bytes_and_sdpa_shape_follow_the_head_counts(monkeypatch):
 
 def test_bench_tables_speedup_over_sdpa_agrees_with_the_times_it_prints():
     # The committed runs: each decode row's "x fp16 SDPA" must be its "fp16 SDPA us" over its "us" (graph replays).
-    import pathlib
-
     import bench_tables
 
-    folder = pathlib.Path(__file__).resolve().parent.parent / "docs" / "bench"
-    documents = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
+    documents = [json.loads(path.read_text()) for path in sorted(BENCH_RUNS.glob("*.json"))]
     rows = [line.split("|")[1:-1] for line in bench_tables.tables(documents).splitlines()
             if line.startswith("| ") and line.split("|")[1].strip()[:1].isdigit()]
     assert rows
@@ -158,12 +158,9 @@ def test_bench_tables_speedup_over_sdpa_agrees_with_the_times_it_prints():
 
 def test_bench_tables_keep_runs_of_other_head_counts_apart():
     # The group-size runs: the same configs and shapes at 64 and 128 query heads over 8 KV heads.
-    import pathlib
-
     import bench_tables
 
-    folder = pathlib.Path(__file__).resolve().parent.parent / "docs" / "bench"
-    documents = [json.loads((folder / f"2026-12-04-planes-g{g}-tuned.json").read_text()) for g in ("64-8", "128-8")]
+    documents = [json.loads((BENCH_RUNS / f"2026-12-04-planes-g{g}-tuned.json").read_text()) for g in ("64-8", "128-8")]
     sections = bench_tables.tables(documents).split("### ")[1:]
     for section in sections:  # each table holds one run's head count: every shape once
         shapes = [line.split("|")[1] for line in section.splitlines() if line.startswith("| 32 x")]
