@@ -162,6 +162,16 @@ def workspace_with_buffer_elsewhere(buffer):
     return make
 
 
+def workspace_with_buffer(buffer, make_buffer):
+    """A builder: a workspace that fits the call, but with make_buffer(its buffer) in place of one of its buffers
+    (an engine's own, of the wrong size, type or layout)."""
+    def make(c):
+        workspace = c.module.DecodeWorkspace(len(SEQ_LENS), KV_HEADS * GROUP, 8, c.device)
+        setattr(workspace, buffer, make_buffer(getattr(workspace, buffer)))
+        return workspace
+    return make
+
+
 MSE, CUDA = "mse", "cuda"  # row flags: MSE configs only; needs a CUDA cache (a CPU tensor that is right on a CPU)
 
 # (case id, builder, expected substring of the message, flags)
@@ -202,6 +212,7 @@ ROWS = [
     ("store-rotation_elsewhere", call("store", rotation=elsewhere("rotation")), "rotation is on", (MSE,)),
     ("store-centroids_elsewhere", call("store", centroids=elsewhere("centroids")), "centroids is on", (MSE,)),
     ("store-block_t_3", call("store", block_t=lambda c: 3), "block_t", ()),
+    ("store-num_warps_3", call("store", num_warps=lambda c: 3), "num_warps", ()),
     # ---------------- decode ----------------
     ("decode-query_int32", call("decode", query=lambda c: c.query.to(torch.int32)), "query", ()),
     ("decode-query_float64", call("decode", query=lambda c: c.query.double()), "query", ()),
@@ -235,6 +246,25 @@ ROWS = [
     ("decode-workspace_small", call("decode", workspace=lambda c: c.module.DecodeWorkspace(
         1, KV_HEADS * GROUP, 4, c.device), num_splits=lambda c: 2), "workspace", ()),
     ("decode-num_splits_zero", call("decode", num_splits=lambda c: 0), "num_splits", ()),
+    ("decode-num_stages_zero", call("decode", num_stages=lambda c: 0), "num_stages", ()),
+    ("decode-num_stages_float", call("decode", num_stages=lambda c: 2.0), "num_stages", ()),
+    ("decode-num_warps_3", call("decode", num_warps=lambda c: 3), "num_warps", ()),
+    ("decode-num_warps_64", call("decode", num_warps=lambda c: 64), "num_warps", ()),
+    ("decode-num_warps_true", call("decode", num_warps=lambda c: True), "num_warps", ()),
+    # Buffers the kernels would write out of bounds or misread (the interpreter crashed on the first).
+    ("decode-workspace_partial_out_short", call("decode", workspace=workspace_with_buffer(
+        "partial_out", lambda b: b[:1].clone())), "workspace.partial_out", ()),
+    ("decode-workspace_partial_out_strided", call("decode", workspace=workspace_with_buffer(
+        "partial_out", lambda b: torch.empty_like(b).transpose(0, 1).contiguous().transpose(0, 1))),
+     "workspace.partial_out", ()),
+    ("decode-workspace_partial_lse_fp16", call("decode", workspace=workspace_with_buffer(
+        "partial_lse", lambda b: b.half())), "workspace.partial_out and partial_lse", ()),
+    ("decode-workspace_partial_lse_none", call("decode", workspace=workspace_with_buffer(
+        "partial_lse", lambda b: None)), "workspace.partial_lse is NoneType", ()),
+    ("decode-workspace_query_short", call("decode", workspace=workspace_with_buffer(
+        "query", lambda b: b[:1].clone())), "workspace.query", (MSE,)),
+    ("decode-workspace_query_float32", call("decode", workspace=workspace_with_buffer(
+        "query", lambda b: b.float())), "workspace.query", (MSE,)),
     ("decode-block_kv_16", call("decode", block_kv=lambda c: 16), "block_kv", ()),
     ("decode-scale_tensor", call("decode", scale=lambda c: torch.tensor(0.1, device=c.device)), "scale", ()),
     ("decode-scale_str", call("decode", scale=lambda c: "0.1"), "scale", ()),
@@ -281,6 +311,7 @@ ROWS = [
     ("dequantize-dtype_int32", call("dequantize", dtype=lambda c: torch.int32), "dtype", ()),
     ("dequantize-block_t_0", call("dequantize", block_t=lambda c: 0), "block_t", ()),
     ("dequantize-block_t_48", call("dequantize", block_t=lambda c: 48), "block_t", ()),
+    ("dequantize-num_warps_0", call("dequantize", num_warps=lambda c: 0), "num_warps", ()),
     ("dequantize-rotation_shape", call("dequantize", rotation=rotation_shape), "rotation", (MSE,)),
     ("dequantize-rotation_1d", call("dequantize", rotation=rotation_1d), "rotation", (MSE,)),
     ("dequantize-centroids_2d", call("dequantize", centroids=centroids_2d), "centroids", (MSE,)),
