@@ -371,6 +371,29 @@ def test_make_cache_refuses_bad_sizes_in_one_line(build_module, num_blocks, num_
         module.make_cache(num_blocks, num_kv_heads, "cpu")
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_workspace_buffer_replaced_after_a_call_is_checked_again(make_ctx, device, preset):
+    """decode keeps its checks of a workspace's buffers for the buffer objects it checked: a buffer replaced by a
+    short one later must be refused, not written out of bounds; a larger call than the checked one too."""
+    ctx = make_ctx(preset)
+    workspace = ctx.module.DecodeWorkspace(len(SEQ_LENS), KV_HEADS * GROUP, 8, device)
+    want = ctx.module.decode(ctx.query, ctx.cache, ctx.table, ctx.lens, **ctx.codebook, num_splits=2)
+    got = ctx.module.decode(ctx.query, ctx.cache, ctx.table, ctx.lens, **ctx.codebook, workspace=workspace,
+                            num_splits=2)
+    assert torch.equal(got, want)
+    workspace.partial_out = workspace.partial_out[:, :, :1].clone()
+    with pytest.raises(ctx.module.LaunchError, match="workspace.partial_out"):
+        ctx.module.decode(ctx.query, ctx.cache, ctx.table, ctx.lens, **ctx.codebook, workspace=workspace,
+                          num_splits=2)
+    # Both buffers of one split: a call of one split fits them; the next call of two is refused.
+    workspace.partial_lse = workspace.partial_lse[:, :, :1].clone()
+    workspace.max_splits = 8  # an engine's sizes that overstate its buffers
+    ctx.module.decode(ctx.query, ctx.cache, ctx.table, ctx.lens, **ctx.codebook, workspace=workspace, num_splits=1)
+    with pytest.raises(ctx.module.LaunchError, match="workspace.partial_out"):
+        ctx.module.decode(ctx.query, ctx.cache, ctx.table, ctx.lens, **ctx.codebook, workspace=workspace,
+                          num_splits=2)
+
+
 # --------------------------------------------------------------------------
 # Edge cases that must not raise
 # --------------------------------------------------------------------------
