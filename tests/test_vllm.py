@@ -487,6 +487,33 @@ def test_derived_codebook_tensors_are_kept_per_source_and_version_without_a_boun
     assert len(vllm._derived) == held_before
 
 
+@pytest.mark.skipif(not INTERPRET, reason="a CPU test")
+def test_codebook_tensors_made_under_inference_mode():
+    """vLLM runs its forward under torch.inference_mode, so a codebook it builds there (Pi, PiT, centroids,
+    midpoints) is made of inference tensors, which keep no version counter: store and decode take them as any
+    tensor (they crashed with "Inference tensors do not track version counter"), Hadamard PiT, Pi alone (PiT None)
+    and fp16 midpoints and centroids (copied to fp32) alike."""
+    arguments = vllm.preset_arguments("turboquant_4bit_nc", 128)
+    key, value, block_table, seq_lens, slot_mapping, num_blocks = ragged_batch(16, 2, 128, [21, 5], key_fp8=False)
+    query = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(3)).half()
+
+    def store_and_decode(pit_given):
+        pi, centroids = codebook_of("turboquant_4bit_nc", 128, "hadamard")
+        pi, centroids = pi.clone(), centroids.half()
+        midpoints = (centroids[1:] + centroids[:-1]) / 2
+        cache = vllm_cache(num_blocks, 16, 2, vllm.slot_size_aligned("turboquant_4bit_nc", 128), "head_major", "cpu")
+        vllm.triton_turboquant_store(key, value, cache, slot_mapping, pi.t().contiguous(), midpoints, 4, 66, 4)
+        out = vllm.triton_turboquant_decode_attention(query, cache, block_table, seq_lens, pi, centroids, 0.1,
+                                                      PiT=pi.t().contiguous() if pit_given else None, **arguments)
+        return cache, out
+
+    for pit_given in (True, False):
+        want_cache, want = store_and_decode(pit_given)
+        with torch.inference_mode():
+            cache, out = store_and_decode(pit_given)
+        assert torch.equal(cache, want_cache) and torch.equal(out, want)
+
+
 def test_a_hadamard_pit_takes_the_stores_walsh_hadamard_path():
     """vLLM's Hadamard matrix (built in fp32, one rounding from tqgen's) is replaced by the module's
     own, which the store's kernel applies itself; any other matrix is passed on as it is."""

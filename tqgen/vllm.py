@@ -299,8 +299,11 @@ def _derive(kind, source, make, fresh_in_capture=False):
     """make(source), once per source tensor, kind and contents version (in-place writes bump it). While a CUDA
     graph is being captured a source not derived before is derived without caching (`make` must then not
     synchronize), and with fresh_in_capture every source is: the graph then holds the copy kernel, so a replay
-    reads the source as it is then (a weight reload writing it in place reaches the graph)."""
-    signature = (source._version, source.data_ptr(), source.shape, source.stride(), source.dtype, source.device)
+    reads the source as it is then (a weight reload writing it in place reaches the graph). An inference tensor
+    (made under torch.inference_mode, where vLLM's forward builds its codebook) keeps no version counter: in-place
+    writes to one go unseen."""
+    version = None if source.is_inference() else source._version
+    signature = (version, source.data_ptr(), source.shape, source.stride(), source.dtype, source.device)
     capturing = _capturing(source)
     held = _derived.get(id(source))
     entries = held[1] if held is not None and held[0]() is source else None  # not a dead tensor's id reused
