@@ -590,6 +590,34 @@ def test_store_and_dequantize_refuse_in_one_line():
                                           KEY_FP8=0, BLOCK_D=128, FP8_E4B15=1)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="a CPU test")
+def test_dequantize_launch_refuses_outputs_and_block_tables_that_do_not_fit_in_one_line():
+    """vLLM's kernel writes K_out / V_out [B, Hk, grid[0], D] through the given strides and reads one block-table row
+    per sequence of grid[1]: outputs too small for that (torch's "setStorage: ... out of bounds" RuntimeError, after
+    the whole dequantize), no tensor (an AttributeError), or fewer block-table rows than sequences (refused naming
+    seq_lens, which the caller never passed) are refused first, naming what does not fit."""
+    cache = torch.zeros(4, 16, 2, 134, dtype=torch.uint8)
+    block_table = torch.zeros(1, 2, dtype=torch.int32)
+    k_out = torch.zeros(1, 2, 32, 128, dtype=torch.float16)
+
+    def launch(grid, k, v, table=block_table):
+        strides = [t.stride()[:3] if isinstance(t, torch.Tensor) else (0, 0, 0) for t in (k, v)]
+        vllm._tq_full_dequant_kv[grid](cache, table, torch.zeros(16), k, v, *strides[0], *strides[1],
+                                       *cache.stride()[:3], table.stride(0), HEAD_DIM=128, BLOCK_SIZE=16,
+                                       NUM_KV_HEADS=2, MSE_BYTES=64, KPS=66, VQB=4, VAL_DATA_BYTES=64, MSE_BITS=4,
+                                       KEY_FP8=0, BLOCK_D=128, NORM_CORRECTION=1)
+
+    launch((32, 2), k_out, k_out.clone())  # fits
+    unfit = [((48, 2), k_out, k_out.clone(), "K_out_ptr"), ((32, 2), k_out, k_out[:, :, :16].clone(), "V_out_ptr"),
+             ((32, 2), None, k_out, "K_out_ptr"), ((32, 4), k_out, k_out, "Block_table_ptr")]
+    for grid, k, v, named in unfit:
+        with pytest.raises(vllm.VllmArgumentError) as refusal:
+            launch(grid, k, v)
+        message = str(refusal.value)
+        assert message.startswith("_tq_full_dequant_kv: ") and named in message and "\n" not in message
+        assert "seq_lens" not in message
+
+
 # --- GPU: CUDA graphs with vLLM's workspace buffers -----------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")

@@ -652,6 +652,7 @@ def _full_dequant(fn, grid, kv_cache, block_table, centroids, k_out, v_out, k_st
     if tuple(kv_cache.stride()[:3]) != tuple(cache_strides):
         _refuse(fn, f"stride_cache_block/pos/head {tuple(cache_strides)} are not KV_cache_ptr's strides "
                 f"{tuple(kv_cache.stride()[:3])}")
+    _check_rank(fn, "Block_table_ptr", block_table, 2, "[batch, max_blocks_per_seq]")
     if block_table.stride(0) != block_table_stride and block_table.shape[0] > 1:
         _refuse(fn, f"stride_bt_b {block_table_stride} is not Block_table_ptr's row stride {block_table.stride(0)}")
     if programs % num_kv_heads:
@@ -665,6 +666,13 @@ def _full_dequant(fn, grid, kv_cache, block_table, centroids, k_out, v_out, k_st
     batch = programs // num_kv_heads
     if positions <= 0 or batch == 0:
         return
+    if block_table.shape[0] < batch:
+        _refuse(fn, f"grid[1] = {programs} is {batch} sequences of NUM_KV_HEADS {num_kv_heads}, Block_table_ptr has "
+                f"{block_table.shape[0]} rows")
+    # Refused before any work: what vLLM's kernel writes, K and V of every position, through the given strides.
+    shape = (batch, num_kv_heads, positions, head_dim)
+    k_out = _output_view(fn, "K_out_ptr", k_out, shape, k_strides)
+    v_out = _output_view(fn, "V_out_ptr", v_out, shape, v_strides)
     seq_lens = torch.full((batch,), positions, dtype=torch.int32, device=kv_cache.device)
     # Keys in the rotated domain, as vLLM's kernel returns them (its caller multiplies by the rotation).
     codebook = {} if key_fp8 else {"rotated_keys": True, "centroids": _centroids(fn, module, centroids)}
@@ -673,6 +681,18 @@ def _full_dequant(fn, grid, kv_cache, block_table, centroids, k_out, v_out, k_st
                                          dtype=torch.float16, validate=False, **codebook)
     except module.LaunchError as error:
         _refused_by_module(fn, error)
-    shape = (batch, num_kv_heads, positions, head_dim)
-    k_out.as_strided(shape, (*k_strides, 1), k_out.storage_offset()).copy_(keys)
-    v_out.as_strided(shape, (*v_strides, 1), v_out.storage_offset()).copy_(values)
+    k_out.copy_(keys)
+    v_out.copy_(values)
+
+
+def _output_view(fn, name, tensor, shape, strides):
+    """The view of an output tensor that vLLM's kernel writes: `shape` at (*strides, 1) from the tensor's start, which
+    must lie inside its storage."""
+    if not isinstance(tensor, torch.Tensor):
+        _refuse(fn, f"{name} must be a tensor, got {type(tensor).__name__}")
+    try:
+        return tensor.as_strided(shape, (*strides, 1), tensor.storage_offset())
+    except RuntimeError:  # out of the storage's bounds (or a negative stride)
+        _refuse(fn, f"{name} cannot hold {list(shape)} (batch, NUM_KV_HEADS, grid[0], HEAD_DIM) at strides "
+                f"{(*strides, 1)}: its storage has {tensor.untyped_storage().nbytes() // tensor.element_size()} "
+                f"elements from offset {tensor.storage_offset()}")
