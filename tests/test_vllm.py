@@ -10,6 +10,7 @@ is slow); the full matrix runs on the GPU (`pytest -m gpu`).
 import gc
 import math
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -414,6 +415,32 @@ def test_decode_views_of_vllms_buffers_are_built_once_per_buffer_and_shape(monke
     assert vllm._buffer_views["workspace"][0] is new_mid
 
 
+@pytest.mark.skipif(not INTERPRET, reason="a CPU test")
+def test_a_rotated_query_of_its_own_outlives_the_views_of_its_buffer(monkeypatch):
+    """At the full split count the rotated query has no room in mid_o_buf and gets a tensor of its own, which a CUDA
+    graph captured over the buffer's workspace writes on every replay: like the split counters, it stays allocated
+    when another buffer object replaces the held views (it was freed, and a replay then wrote into whatever tensor
+    the allocator put there), and later calls over the buffer's memory find the same one."""
+    monkeypatch.setattr(vllm, "_buffer_views", {})
+    monkeypatch.setattr(vllm, "_query_store", {}, raising=False)
+    cpu = torch.device("cpu")
+    module = vllm._module("test", cpu, 128, 16, False, 4, 66, 4, True)
+    mid_o_buf = torch.empty(4, 8, 4, 129)
+
+    def workspace(buffer, batch):
+        return vllm._decode_workspace(module, buffer, None, batch, 8, 128, 4, 4, cpu, needs_query=True)
+
+    first = workspace(mid_o_buf, 4)
+    start, end = mid_o_buf.data_ptr(), mid_o_buf.data_ptr() + mid_o_buf.numel() * 4
+    assert not start <= first.query.data_ptr() < end  # no room: a tensor of its own
+    address, storage = first.query.data_ptr(), weakref.ref(first.query.untyped_storage())
+    del first
+    workspace(torch.empty_like(mid_o_buf), 4)  # another buffer object: the first one's views are dropped
+    gc.collect()
+    assert storage() is not None
+    assert workspace(mid_o_buf, 4).query.data_ptr() == address
+
+
 # vLLM launches the qgroup4 variant for MSE keys only.
 DEQUANTIZE_LAUNCHES = [("_tq_full_dequant_kv", "turboquant_4bit_nc"), ("_tq_full_dequant_kv", "turboquant_k8v4"),
                        ("_tq_full_dequant_kv_qgroup4", "turboquant_k3v4_nc")]
@@ -628,7 +655,7 @@ def test_cuda_graph_of_store_and_decode_with_vllms_buffers(cache_dtype, max_spli
     """vLLM's decode step captured once: store the new tokens, decode into the workspace's buffers.
     Replayed with new keys, queries and lengths, it matches the reference; buf_holder gets nothing
     (the buffers fit). At max_num_kv_splits 1 the rotated query does not fit in mid_o_buf and is
-    allocated inside the capture, from the graph's pool."""
+    a tensor kept for the buffer's address (built by the warm-up call, before the capture)."""
     device, head_dim, block_size, batch, num_kv_heads, group_size = "cuda", 128, 16, 4, 2, 4
     use_layout(monkeypatch, layout)
     arguments = vllm.preset_arguments(cache_dtype, head_dim)

@@ -29,7 +29,7 @@ How vLLM's arguments map onto tqgen's (docs/format.md):
 - Decode's buffers. tqgen's split-KV partials (per split: D fp32 outputs and one log-sum-exp) are
   carved out of vLLM's `mid_o_buf` `[B, Hq, max_num_kv_splits, D + 1]` fp32, which holds exactly
   that much at the full split count, and the rotated query (fp16) out of what fewer splits leave
-  (else a fresh tensor: inside a CUDA-graph capture it comes from the graph's private pool). The
+  (else a tensor kept for the buffer's address, never freed: a CUDA graph may write it). The
   output is written into `output_buf[:B]`. Missing or unfit buffers are allocated and, as vLLM
   does, recorded on `buf_holder` (`_tq_mid_o_buf`, `_tq_output_buf`). `lse_buf` is not written:
   tqgen's reduction returns the output only, and vLLM's backend never reads it back.
@@ -496,7 +496,7 @@ def _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_di
         return _carve_workspace(module, mid_o_buf, counters, batch, num_q_heads, head_dim, num_splits, device,
                                 needs_query)
     workspace = _carve_workspace(module, mid_o_buf, _split_counters(mid_o_buf, device), batch, num_q_heads, head_dim,
-                                 num_splits, device, needs_query)
+                                 num_splits, device, needs_query, keep_query=True)
     return _hold_view("workspace", mid_o_buf, view_key, workspace)
 
 
@@ -505,6 +505,10 @@ def _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_di
 # counters with it), and kept apart per buffer, since buffers of calls that may run at once (two streams) differ.
 _split_counter_store: dict = {}
 _outgrown_split_counters: list = []  # those replaced by larger ones for a larger buffer at the same address
+# Likewise the rotated queries (DecodeWorkspace.query) of the mid_o_buf addresses that have no room for them (at the
+# full split count): a CUDA graph captured over a held workspace writes its query on every replay.
+_query_store: dict = {}
+_outgrown_queries: list = []
 
 
 def _split_counters(mid_o_buf, device):
@@ -521,8 +525,23 @@ def _split_counters(mid_o_buf, device):
     return counters
 
 
-def _carve_workspace(module, mid_o_buf, split_counters, batch, num_q_heads, head_dim, num_splits, device, needs_query):
-    """The DecodeWorkspace of one call's shape as views of mid_o_buf (_decode_workspace), with split_counters."""
+def _kept_query(mid_o_buf, batch, num_q_heads, head_dim, device):
+    """An fp16 [batch, num_q_heads, head_dim] rotated query for every call over mid_o_buf's memory that has no room
+    for it: one tensor per address, for the rows of mid_o_buf's first two dims (_split_counters)."""
+    key = (device, mid_o_buf.data_ptr())
+    size = mid_o_buf.shape[0] * mid_o_buf.shape[1] * head_dim
+    kept = _query_store.get(key)
+    if kept is None or kept.numel() < size:
+        if kept is not None:
+            _outgrown_queries.append(kept)
+        kept = _query_store[key] = torch.empty(size, dtype=torch.float16, device=device)
+    return kept[:batch * num_q_heads * head_dim].view(batch, num_q_heads, head_dim)
+
+
+def _carve_workspace(module, mid_o_buf, split_counters, batch, num_q_heads, head_dim, num_splits, device, needs_query,
+                     keep_query=False):
+    """The DecodeWorkspace of one call's shape as views of mid_o_buf (_decode_workspace), with split_counters; a
+    query with no room there is the buffer address's own (_kept_query) where keep_query, else the call's."""
     partial_floats = batch * num_q_heads * num_splits * head_dim
     lse_floats = batch * num_q_heads * num_splits
     query_start = -(-(partial_floats + lse_floats) // 4) * 4
@@ -541,6 +560,8 @@ def _carve_workspace(module, mid_o_buf, split_counters, batch, num_q_heads, head
         if query_start + query_floats <= flat.numel():
             workspace.query = flat[query_start:query_start + query_floats].view(torch.float16).view(
                 batch, num_q_heads, head_dim)
+        elif keep_query:
+            workspace.query = _kept_query(mid_o_buf, batch, num_q_heads, head_dim, device)
         else:
             workspace.query = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float16, device=device)
     return workspace
