@@ -186,6 +186,15 @@ def test_unwritable_output_fails_with_one_line(tmp_path):
     assert f"the folder {blocker} cannot be written: it is a file" in stderr
 
 
+def test_a_folder_where_a_module_goes_fails_with_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    blocker = out / variant_name(K3V4, "sm90")
+    blocker.mkdir(parents=True)
+    stderr = assert_one_line_error(tqgen("build", K3V4, "-o", out))
+    assert f"the folder {out} cannot be written: {blocker} cannot be created (Is a directory)" in stderr
+    assert [p.name for p in out.iterdir()] == [blocker.name] and blocker.is_dir()
+
+
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 @pytest.mark.parametrize("folder, why", [("/proc/forbidden", "it cannot be created"),
                                          ("/proc", f"/proc/{variant_name(K3V4, 'sm80')} cannot be created")])

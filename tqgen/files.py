@@ -64,7 +64,12 @@ def write_atomic_group(files: list[tuple[Path, bytes]]) -> list[bool]:
     module docstring says why); unchanged files are left alone. Returns, per file, whether it was written.
     Raises GroupWriteError naming the file that failed: no file has been replaced, unless a rename other
     than the first failed (a rename within one folder fails only when the folder itself does)."""
-    changed = [not _unchanged(path, data) for path, data in files]
+    changed = []
+    for path, data in files:
+        try:
+            changed.append(not _unchanged(path, data))
+        except OSError as exc:  # a folder where the file goes, a file that cannot be read
+            raise GroupWriteError(path, exc) from None
     temporaries: list[tuple[str, Path]] = []
     try:
         for (path, data), write in zip(files, changed):
