@@ -179,6 +179,37 @@ def test_one_bad_config_among_several_writes_none(tmp_path):
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("other, clash", [(SM90_YAML, variant_name(K3V4, "sm90")), (GOOD_YAML, dispatcher_name(K3V4))],
+                         ids=["explicit-arch-over-a-variant", "same-format"])
+def test_configs_that_write_one_file_differently_are_refused_before_writing(tmp_path, other, clash):
+    """An arch-auto config's sm90 variant and an sm90 config of the same format under another name (or two
+    arch-auto configs of one format) write the same files with different bytes: the later build's file
+    would replace the earlier's, and a dispatcher refuses a variant it was not built with."""
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text(GOOD_YAML)
+    second.write_text(other)
+    out = tmp_path / "out"
+    result = tqgen("build", first, second, "-o", out)
+    stderr = assert_one_line_error(result)
+    assert f"{first} and {second} both write {out / clash}, differently (they differ in name)" in stderr
+    assert folder_is_empty(out) and result.stdout == ""
+
+
+def test_configs_that_write_one_file_alike_build(tmp_path):
+    """The same config twice, or an explicit-arch config equal to an arch-auto config's variant: same bytes."""
+    auto, sm90 = tmp_path / "k3v4.yaml", tmp_path / "k3v4-sm90.yaml"
+    auto.write_text(GOOD_YAML)
+    sm90.write_text(SM90_YAML + "name: k3v4\n")
+    out = tmp_path / "out"
+    result = tqgen("build", auto, sm90, auto, "-o", out)
+    assert result.returncode == 0, result.stderr
+    assert {p.name for p in out.iterdir()} == built_names(K3V4)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(out))
+    check = subprocess.run([sys.executable, "-c", f"import {dispatcher_name(K3V4)[:-3]} as tq; tq.variant_for()"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr[-2000:]
+
+
 def test_unwritable_output_fails_with_one_line(tmp_path):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")

@@ -24,6 +24,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
     # Validate every config before writing any, and before importing torch (slow to import).
     configs = [config_mod.load(path) for path in args.configs]
+    _refuse_clashes(args.configs, configs, Path(args.output))
     from . import emit
 
     for path, config in zip(args.configs, configs):
@@ -35,6 +36,28 @@ def _cmd_build(args: argparse.Namespace) -> int:
         for variant in built.variants:
             print(f"  {variant.arch:6s} {variant.path}  tuned launches: {_tuned_devices(variant.tuned)}")
     return 0
+
+
+def _refuse_clashes(paths: list, configs: list, out: Path) -> None:
+    """Refuse in one line two configs that would write one file with different bytes (an arch-auto config's
+    variant and an explicit-arch config of its format under another name, say): the later would replace the
+    earlier's file, and a dispatcher refuses a variant it was not built with. Equal configs write equal bytes."""
+    import dataclasses
+
+    from .config import KNOWN_ARCHES
+
+    writers: dict[str, tuple[str, object]] = {}
+    for path, config in zip(paths, configs):
+        # What build_files writes: the module, or the dispatcher and one module per arch, each as its config gives it.
+        written = [config] + ([dataclasses.replace(config, arch=arch) for arch in KNOWN_ARCHES]
+                              if config.arch == "auto" else [])
+        for file_config in written:
+            name = f"{file_config.artifact_name()}.py"
+            first_path, first = writers.setdefault(name, (path, file_config))
+            if first != file_config:
+                differ = [field for field, value in first.to_dict().items() if file_config.to_dict()[field] != value]
+                raise TqgenError(f"{first_path} and {path} both write {out / name}, differently (they differ in "
+                                 f"{', '.join(differ)}): build them into different folders")
 
 
 def _tuned_devices(tuned: dict) -> str:
