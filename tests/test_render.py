@@ -260,6 +260,20 @@ def test_source_is_tidy(config):
     assert "{{" not in source and "{%" not in source, "unrendered template syntax"
 
 
+@pytest.mark.parametrize("stem", [path.stem for path in SHIPPED])
+def test_source_with_tuned_launches_baked_is_tidy(stem):
+    """As `tqgen build` renders the shipped configs for sm90: with the committed H200 launches baked in (the
+    docstring names each tuned file)."""
+    from tqgen import tuned_files
+
+    config = shipped(stem)
+    tuned = tuned_files.baked_launches(REPO / "tuned", config, print)
+    assert tuned
+    assert_tidy(render_mod.render(config, tuned))
+    two = {"NVIDIA H200": tuned["NVIDIA H200"], "NVIDIA H100 80GB HBM3": tuned["NVIDIA H200"]}
+    assert_tidy(render_mod.render(config, two))
+
+
 def test_source_is_tidy_whatever_the_templates_whitespace(tmp_path, monkeypatch):
     copy = tmp_path / "templates"
     shutil.copytree(render_mod.template_dir(), copy)

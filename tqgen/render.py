@@ -20,6 +20,7 @@ import inspect
 import json
 import pprint
 import re
+import textwrap
 from pathlib import Path
 
 import jinja2
@@ -96,7 +97,11 @@ def _tuning_summary(tuned: dict) -> str:
     if not tuned:
         return "none; launches come from the heuristic in `decode_launch_defaults` unless passed."
     parts = [f"{device}: {len(entry['buckets'])} buckets from {entry['source']}" for device, entry in sorted(tuned.items())]
-    return "; ".join(parts) + "; other shapes and devices use `decode_launch_defaults`."
+    text = "; ".join(parts) + "; other shapes and devices use `decode_launch_defaults`."
+    # Wrapped as the docstring's "Tuning: " line shows it: each device's tuned file makes the line long.
+    prefix = "Tuning: "
+    return textwrap.fill(text, MAX_LINE, initial_indent=prefix, subsequent_indent="    ", break_long_words=False,
+                         break_on_hyphens=False)[len(prefix):]
 
 
 def context(config: Config, tuned: dict | None = None, stage1_variant: str = "shipped") -> dict:
