@@ -275,3 +275,19 @@ def test_concurrent_builds_of_the_same_configs_agree(tmp_path, writers):
             built = (shared / name).read_bytes()
             assert built == data, f"round {round_}: {name} differs from a single-process build"
             compile(built, name, "exec")
+
+
+# --------------------------------------------------------------------------
+# A module rewritten within the same second
+# --------------------------------------------------------------------------
+def test_a_rewritten_module_is_imported_as_it_is_now_not_from_a_stale_pyc(tmp_path, monkeypatch):
+    """Python's bytecode cache (__pycache__, on by default) trusts a .pyc while the source's size and mtime,
+    in whole seconds, match: a module rebuilt within the same second with as many bytes (another tuned
+    launch, one digit changed) must still be imported as it is now, the bytes whose hash names it."""
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    path = tmp_path / "tq_module.py"
+    stamp = (1_700_000_000, 1_700_000_000)
+    for value in (1, 2):
+        path.write_text(f"VALUE = {value}\n")
+        os.utime(path, stamp)  # the same second as the previous write
+        assert emit.import_module_file(path).VALUE == value

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -115,14 +116,27 @@ def _write(out: Path, files: list[tuple[Path, str]]) -> None:
                          f"({write_failure_reason(exc.cause)})") from None
 
 
+class _SourceLoader(importlib.machinery.SourceFileLoader):
+    """Runs the source bytes it is given, never a cached .pyc: Python trusts a .pyc while the file's size and
+    mtime in whole seconds match, which a module rebuilt within the same second with as many bytes keeps."""
+
+    def __init__(self, fullname: str, path: str, data: bytes):
+        super().__init__(fullname, path)
+        self._data = data
+
+    def get_code(self, fullname):
+        return self.source_to_code(self._data, self.path)
+
+
 def import_module_file(path: str | os.PathLike) -> ModuleType:
     """Import a generated module file (cached by content, so a rebuilt file is re-imported)."""
     path = Path(path).resolve()
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()[:12]
     name = f"tqgen_generated.{path.stem}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=_SourceLoader(name, str(path), data))
     if spec is None or spec.loader is None:
         raise TqgenError(f"cannot import {path}")
     module = importlib.util.module_from_spec(spec)
