@@ -260,6 +260,19 @@ def test_directory_is_refused(tmp_path):
     assert "directory" in message
 
 
+@pytest.mark.parametrize("kind, phrase", [("missing", "no such file"), ("directory", "is a directory")])
+def test_load_of_an_emitted_module_that_is_not_a_file_is_refused_in_one_line(tmp_path, kind, phrase):
+    """tqgen.load takes a YAML config or an emitted .py module: either missing is the same one-line error."""
+    from tqgen import emit
+
+    path = tmp_path / "tq_module.py"
+    if kind == "directory":
+        path.mkdir()
+    with pytest.raises(TqgenError) as info:
+        emit.load(path)
+    assert str(info.value) == f"{path}: {phrase}, expected an emitted module (.py)"
+
+
 def test_undecodable_file_is_refused(tmp_path):
     path = tmp_path / "binary.yaml"
     path.write_bytes(b"\xff\xfe\x00key_format: mse\n")

@@ -130,8 +130,15 @@ class _SourceLoader(importlib.machinery.SourceFileLoader):
 
 def import_module_file(path: str | os.PathLike) -> ModuleType:
     """Import a generated module file (cached by content, so a rebuilt file is re-imported)."""
-    path = Path(path).resolve()
-    data = path.read_bytes()
+    given, path = path, Path(path).resolve()
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise TqgenError(f"{given}: no such file, expected an emitted module (.py)") from None
+    except IsADirectoryError:
+        raise TqgenError(f"{given}: is a directory, expected an emitted module (.py)") from None
+    except OSError as exc:
+        raise TqgenError(f"{given}: cannot be read ({exc.strerror})") from None
     digest = hashlib.sha256(data).hexdigest()[:12]
     name = f"tqgen_generated.{path.stem}_{digest}"
     if name in sys.modules:
