@@ -8,6 +8,7 @@ the GPU in the test marked gpu.
 
 import dataclasses
 import errno
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -287,6 +288,28 @@ def test_a_variant_from_another_build_is_refused_not_mixed(tmp_path, fresh_impor
         tq.variant_for("cuda:0")
 
 
+def test_a_variant_rewritten_within_the_same_second_is_imported_as_checked(tmp_path, fresh_import, monkeypatch):
+    """Python's bytecode cache trusts a .pyc while the source's size and mtime in whole seconds match: a variant
+    rebuilt within the same second with as many bytes must run as the bytes whose hash the dispatcher checked."""
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    built = emit.build_files(PLANES["k8v4"], tmp_path / "out")
+    sm80 = built.variants[0].path
+    stamp = (1_700_000_000, 1_700_000_000)
+    os.utime(sm80, stamp)
+    os.utime(built.path, stamp)
+    tq = fresh_import(built.path)
+    assert tq.variant_for("cpu")._MAX_GROUP_SIZE == 64  # imported once: its .pyc written
+    old = sm80.read_bytes()
+    new = old.replace(b"_MAX_GROUP_SIZE = 64", b"_MAX_GROUP_SIZE = 65")
+    sm80.write_bytes(new)
+    os.utime(sm80, stamp)  # the same second, the same size
+    # The dispatcher of the rebuild: the same but for the variant's hash.
+    dispatcher = built.path.read_text().replace(hashlib.sha256(old).hexdigest(), hashlib.sha256(new).hexdigest())
+    built.path.write_text(dispatcher)
+    os.utime(built.path, (stamp[0] + 10, stamp[1] + 10))  # (the test's own import of it checks its mtime)
+    assert fresh_import(built.path).variant_for("cpu")._MAX_GROUP_SIZE == 65
+
+
 def test_dispatcher_imports_without_tqgen(built, tmp_path):
     """sys.path.insert(0, folder); import <artifact>: all a deployment needs (torch and triton)."""
     folder = built["k8v4"].path.parent
@@ -308,7 +331,8 @@ def test_dispatcher_source_is_tidy_and_imports_only_its_runtime(built, preset):
     assert_tidy(source)  # <= 120 columns, PEP 8 spacing
     assert "{{" not in source and "{%" not in source
     imported = set(re.findall(r"^import (\S+)$", source, re.M)) | set(re.findall(r"^from (\S+) import", source, re.M))
-    assert imported == {"hashlib", "importlib.util", "inspect", "os", "sys", "threading", "types", "torch", "triton"}
+    assert imported == {"hashlib", "importlib.machinery", "importlib.util", "inspect", "os", "sys", "threading",
+                        "types", "torch", "triton"}
 
 
 def test_the_dispatcher_template_is_not_in_the_module_template_hash(tmp_path, monkeypatch):
