@@ -154,6 +154,9 @@ FIELD_REFUSALS = [
     pytest.param({"output_dtype": "int8"}, "output_dtype", "'int8'", "bfloat16", id="output_dtype-int8"),
     pytest.param({"rotation": "random", "rotation_seed": -1}, "rotation_seed", "-1", "2**63-1",
                  id="rotation_seed-negative"),
+    pytest.param({"name": "x" * 81}, "name", None, "at most 80 printable ASCII", id="name-81-characters"),
+    pytest.param({"name": "caf\u00e9"}, "name", "'caf\u00e9'", "printable ASCII", id="name-non-ascii"),
+    pytest.param({"name": "a\nb"}, "name", "'a\\nb'", "printable ASCII", id="name-newline"),
     # impossible combinations
     pytest.param({"head_dim": 96, "rotation": "hadamard"}, "rotation", "'hadamard'", "'random'",
                  id="hadamard-with-head_dim-96"),
@@ -278,6 +281,17 @@ def test_undecodable_file_is_refused(tmp_path):
     path.write_bytes(b"\xff\xfe\x00key_format: mse\n")
     message = str(_refusal(lambda: load(path)))
     assert message.startswith(f"{path}: ")
+
+
+def test_a_file_name_that_cannot_be_the_default_name_asks_for_one(tmp_path):
+    """A config without `name:` is named after its file: a file name too long to title the emitted modules within
+    120 columns is refused in one line that says to set `name:`; with it set, the file loads."""
+    path = tmp_path / ("llama-3.1-70b-instruct-" * 4 + "k3v4.yaml")
+    path.write_text(yaml.safe_dump(BASE))
+    message = str(_refusal(lambda: load(path)))
+    assert message.startswith(f"{path}: name: ") and "set name:" in message and "\n" not in message
+    path.write_text(yaml.safe_dump({**BASE, "name": "llama-70b-k3v4"}))
+    assert load(path).name == "llama-70b-k3v4"
 
 
 def test_unknown_field_with_a_newline_in_its_name_still_gives_one_line(tmp_path):

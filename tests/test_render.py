@@ -274,6 +274,18 @@ def test_source_with_tuned_launches_baked_is_tidy(stem):
     assert_tidy(render_mod.render(config, two))
 
 
+def test_source_with_the_longest_name_is_tidy():
+    """A config's name titles the module and its dispatcher: one of the longest a config takes stays within 120
+    columns in both."""
+    from tqgen import config as config_mod, dispatch
+
+    config = dataclasses.replace(load(REPO / "configs" / "k3v4-d128.yaml"), name="n" * config_mod.NAME_MAX_LENGTH)
+    variants = [dispatch.Variant(variant, render_mod.render(variant), {})
+                for variant in dispatch.variant_configs(config)]
+    for source in [variant.source for variant in variants] + [dispatch.render_dispatcher(config, variants)]:
+        assert_tidy(source)
+
+
 def test_source_is_tidy_whatever_the_templates_whitespace(tmp_path, monkeypatch):
     copy = tmp_path / "templates"
     shutil.copytree(render_mod.template_dir(), copy)

@@ -108,9 +108,17 @@ class Config:
         return "tq_" + "_".join(parts)
 
 
+# A config's name is cosmetic: it titles the emitted modules' docstrings, which stay within 120 columns.
+NAME_MAX_LENGTH = 80
+
+
+def is_valid_name(name: str) -> bool:
+    return len(name) <= NAME_MAX_LENGTH and all(" " <= char <= "~" for char in name)
+
+
 # field name -> (expected python type(s), description of allowed values)
 _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
-    "name": ((str,), "a string"),
+    "name": ((str,), f"a string of at most {NAME_MAX_LENGTH} printable ASCII characters"),
     "key_format": ((str,), " or ".join(KEY_FORMATS)),
     "key_bits": ((int,), "2, 3 or 4 for mse keys; 8 for fp8 keys"),
     "value_bits": ((int,), ", ".join(map(str, VALUE_BITS[:-1])) + " or 8"),
@@ -173,6 +181,8 @@ def from_mapping(data: Any, source: str = "<config>") -> Config:
     def refuse(field: str) -> None:
         raise ConfigError(source, field, f"got {_shown(data[field])}, allowed {_FIELDS[field][1]}")
 
+    if not is_valid_name(data.get("name", "")):
+        refuse("name")
     key_format = data["key_format"]
     if key_format not in KEY_FORMATS:
         refuse("key_format")
@@ -314,6 +324,9 @@ def load(path: str | os.PathLike) -> Config:
     if data is None:
         raise ConfigError(source, "<document>", "the file is empty; expected a mapping of config fields")
     if isinstance(data, dict) and "name" not in data:
+        if not is_valid_name(Path(path).stem):
+            raise ConfigError(source, "name", f"not set, and the file's name {Path(path).stem!r} cannot stand for it: "
+                              f"set name: to {_FIELDS['name'][1]}")
         data = {**data, "name": Path(path).stem}
     return from_mapping(data, source)
 
