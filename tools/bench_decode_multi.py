@@ -2,6 +2,7 @@
 
     python3 tools/bench_decode_multi.py configs/k3v4-d128-planes.yaml configs/k8v4-d128-planes.yaml [--dot]
         [--shapes 32x8192] [--q-lens 1 2 4 8] [--launches 32:2:8 32:2:6 ...] [--wide-caps 168 128]
+    python3 tools/bench_decode_multi.py CONFIG:out/ab/main-CONFIG.py CONFIG:out/ab/BRANCH-CONFIG.py ...
 
 Each row: the call's median time, as a multiple of decode's (one query token, its own launch) and against
 q_len separate decode calls. Issue 21's targets: q_len 4 <= 1.25x decode, q_len 8 <= 1.6x, q_len 4 >= 3x
@@ -10,6 +11,8 @@ the one it picks itself ("auto"); --dot also times each q_len with stage 1 held 
 (MMA_STAGE1 off: what decode_multi ran before its Gluon kernel); --wide-caps times the Gluon kernel of more
 than 8 MMA columns (q_len x heads: 4 x 4 and up) under each register cap in turn (the maxnreg that
 `_mma_stage1_options` gives it, replaced here; 168 is the shipped one), decode's own kernel untouched.
+A config given as CONFIG:MODULE.py times that module file (a render of another ref, tools/render_refs.py) on
+CONFIG's problems, named by the file: two refs' kernels side by side in one run.
 Prints one table at the end.
 """
 import argparse
@@ -42,9 +45,11 @@ def main():
     args = parser.parse_args()
     launches = [("auto", {})] + [(text, parse_launch(text)) for text in args.launches]
     rows = []
-    for path in args.configs:
+    for entry in args.configs:
+        path, _, module_file = entry.partition(":")
         config = emit.as_config(path)
-        module = tqgen.load(config)
+        module = tqgen.load(module_file or config)
+        name = Path(module_file).stem if module_file else config.name
         shipped_options = module._mma_stage1_options
         caps = [None] + args.wide_caps  # None: the shipped options
 
@@ -68,7 +73,7 @@ def main():
                               workspace=ws, validate=False, max_seq_len=context, **codebook)
             base = triton.testing.do_bench_cudagraph(single, return_mode="median") * 1e3
             picked = module.decode_launch(batch, 8, 4, context, problem["cache"].device)
-            print(f"{config.name} {shape}: decode {base:.1f} us at {picked}", flush=True)
+            print(f"{name} {shape}: decode {base:.1f} us at {picked}", flush=True)
             shipped = getattr(module, "MMA_STAGE1", None)
             paths = [("Gluon", shipped)] + ([("tl.dot", False)] if args.dot and shipped is not None else [])
             for q_len in args.q_lens:
@@ -89,7 +94,7 @@ def main():
                         if mma is not None:
                             module.MMA_STAGE1 = mma
                         us = triton.testing.do_bench_cudagraph(multi, return_mode="median") * 1e3
-                        row = (config.name, shape, q_len, f"{label} {launch_name}", us, us / base, q_len * base / us)
+                        row = (name, shape, q_len, f"{label} {launch_name}", us, us / base, q_len * base / us)
                         rows.append(row)
                         print("{} {} q_len {} {}: {:.1f} us = {:.2f}x decode, {:.2f}x faster than q_len calls"
                               .format(*row), flush=True)
