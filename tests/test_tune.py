@@ -378,6 +378,32 @@ def test_heuristic_uses_sm_count_batch_heads_and_context(setup):
     assert launch(1, 1, 100, 132) == (64, 2, 1, 2)
 
 
+def test_launch_choice_takes_a_device_string_like_the_rest_of_the_api(monkeypatch, tmp_path):
+    """decode_launch, decode_launch_defaults, decode_multi_launch, merged_in_stage1 and query_rotated_in_stage1 take
+    a device as a string ("cpu", "cuda:1"), as DecodeWorkspace, make_cache and the dispatcher's variant_for do, and
+    answer as for its torch.device (a string raised AttributeError: 'str' object has no attribute 'type')."""
+    module = emit.load(make_config("k3v4", cache_layout="planes"), tmp_path)
+    monkeypatch.setattr(module, "_per_device", {})  # nothing cached from other tests
+    cpu = torch.device("cpu")
+    for batch, group, context in [(1, 4, 4096), (3, 1, 100), (32, 8, 70000), (2, 16, 1)]:
+        assert module.decode_launch(batch, 8, group, context, "cpu") == module.decode_launch(batch, 8, group, context,
+                                                                                             cpu)
+        assert module.decode_launch_defaults(batch, 8, group, context, "cpu") == module.decode_launch_defaults(
+            batch, 8, group, context, cpu)
+        assert module.decode_multi_launch(batch, 8, group, 2, context, "cpu") == module.decode_multi_launch(
+            batch, 8, group, 2, context, cpu)
+        assert module.merged_in_stage1(batch, group, context, "cpu") is False
+        assert module.query_rotated_in_stage1(batch, group, context, "cpu") == module.query_rotated_in_stage1(
+            batch, group, context, cpu)
+    # A tuned bucket, on a GPU named by a string.
+    tuned = {"triton_version": triton.__version__, "source": "", "buckets": {"g4_b1_t256": (64, 1, 2, 2, False, True)}}
+    monkeypatch.setattr(module, "TUNED_LAUNCHES", {"Test GPU": tuned})
+    monkeypatch.setattr(module.torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    assert module.decode_launch(1, 8, 4, 256, "cuda:1") == (64, 1, 2, 2)
+    assert module.merged_in_stage1(1, 4, 256, "cuda:1") is True
+    assert module.query_rotated_in_stage1(1, 4, 256, "cuda:1") is False
+
+
 def _timing_tables(planes):
     """(file stem, bucket bounds, entry) of every committed H200 bucket of one cache layout."""
     for path in sorted((REPO / "tuned" / "NVIDIA_H200").glob("tq_*.json")):
