@@ -422,7 +422,8 @@ def test_bench_json_to_a_folder_that_takes_no_files_fails_with_one_line(tmp_path
 
 
 @pytest.mark.parametrize("options", [["--q-heads", "12"], ["--kv-heads", "0"], ["--q-heads", "-8"],
-                                     ["--batch", "0", "--context", "1024"], ["--batch", "1", "--context", "-1"]])
+                                     ["--batch", "0", "--context", "1024"], ["--batch", "1", "--context", "-1"],
+                                     ["--store-tokens", "32", "0"], ["--store-tokens", "-4096"]])
 def test_bench_refuses_bad_heads_and_shapes_with_one_line_before_timing(monkeypatch, capsys, options):
     from tqgen import bench, cli
 

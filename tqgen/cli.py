@@ -217,6 +217,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         make_folder(Path(args.json).parent)  # likewise: a folder that cannot be made loses the whole run
     if args.q_heads < 1 or args.kv_heads < 1 or args.q_heads % args.kv_heads:
         raise TqgenError(f"bench: --q-heads {args.q_heads} must be a positive multiple of --kv-heads {args.kv_heads}")
+    # Else a negative tensor size (or a 0-token row) once the decode shapes are timed, and their rows lost.
+    _require_positive("bench", {"--store-tokens": args.store_tokens})
     configs = [emit.as_config(path) for path in args.configs]
     if args.batch or args.context:
         if not (args.batch and args.context):
