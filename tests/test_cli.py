@@ -399,6 +399,25 @@ def test_tune_refuses_non_positive_shapes_with_one_line_before_tuning(tmp_path, 
     assert option in stderr
 
 
+@pytest.mark.parametrize("option, values", [("--warps", ["1", "3"]), ("--warps", ["64"]), ("--block-kv", ["48"]),
+                                            ("--block-kv", ["16"])])
+def test_tune_refuses_launches_the_kernels_cannot_run_with_one_line_before_tuning(tmp_path, monkeypatch, capsys, option,
+                                                                                  values):
+    """decode refuses a num_warps that is not a power of two up to 32 (and a block_kv not one of at least 32): every
+    such candidate would be rejected in every bucket, and with no other, every bucket would fail, after the tune."""
+    from tqgen import cli
+
+    monkeypatch.setattr(cli, "_cuda_available", lambda: True)
+    monkeypatch.setattr(tuned_files, "device_fingerprint", lambda: FINGERPRINT)
+    monkeypatch.setattr(tuner, "tune", lambda *a, **k: pytest.fail("tuned with a bad option"))
+    config = tmp_path / "k3v4.yaml"
+    config.write_text("key_format: mse\nkey_bits: 3\nvalue_bits: 4\nhead_dim: 64\n")
+    status = cli.main(["tune", str(config), "--tuned-dir", str(tmp_path / "tuned"), "--cache-dir", str(tmp_path / "c"),
+                       "--batch", "1", "--context", "100", "--compile-workers", "1", option, *values])
+    stderr = capsys.readouterr().err
+    assert status == 2 and stderr.startswith(f"tqgen: error: tune: {option} ") and stderr.count("\n") == 1, stderr
+
+
 @pytest.mark.parametrize("where", ["under-a-file", "proc"])
 def test_bench_json_to_a_folder_that_takes_no_files_fails_with_one_line(tmp_path, monkeypatch, capsys, where):
     from tqgen import bench, cli

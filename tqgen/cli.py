@@ -315,6 +315,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if any(v < 32 or v & (v - 1) for v in space.block_kv):
         raise TqgenError(f"tune: --block-kv takes powers of two >= 32, got {list(space.block_kv)}")
     _require_positive("tune", {"--warps": space.num_warps, "--stages": space.num_stages, "--splits": space.num_splits})
+    if any(v > 32 or v & (v - 1) for v in space.num_warps):  # decode refuses them: every bucket would reject them
+        raise TqgenError(f"tune: --warps takes powers of two up to 32, got {list(space.num_warps)}")
     _require_positive("tune", {"--compile-workers": [args.compile_workers]})
     # Else a ZeroDivisionError, a negative tensor size or another bucket's shapes, once the first bucket is drawn.
     _require_positive("tune", {"--kv-heads": [args.kv_heads]})
