@@ -362,6 +362,11 @@ def _first_best(field, value):
     pytest.param(_drop("triton_version"), id="no-triton-version"),
     pytest.param(_first_best("block_kv", -1), id="negative-block-kv"),
     pytest.param(_first_best("num_warps", True), id="boolean-warps"),
+    # Launches decode refuses (block_kv a power of two >= 32, num_warps one <= 32): baked, every call of the bucket
+    # raised LaunchError.
+    pytest.param(_first_best("block_kv", 48), id="block-kv-48"),
+    pytest.param(_first_best("block_kv", 16), id="block-kv-16"),
+    pytest.param(_first_best("num_warps", 3), id="three-warps"),
 ])
 @pytest.mark.parametrize("command", ["build", "show"])
 def test_a_damaged_tuned_file_is_reported_and_ignored_by_build_and_show(tmp_path, damage, command):
