@@ -445,6 +445,32 @@ def test_bench_json_to_a_folder_that_takes_no_files_fails_with_one_line(tmp_path
     assert str(target.parent) in stderr
 
 
+@pytest.mark.parametrize("where", ["under-a-file", "proc", "new-folder"])
+def test_bench_chart_folder_is_made_or_refused_before_timing(tmp_path, monkeypatch, capsys, where):
+    """--chart's folder, like --json's, is made before anything is timed, or refused in one line: the chart is drawn
+    after every timing, where a missing folder failed (and one that cannot be made lost the chart of the run)."""
+    from tqgen import bench, cli
+    from tqgen.errors import TqgenError
+
+    monkeypatch.setattr(cli, "_cuda_available", lambda: True)
+    monkeypatch.setattr(bench, "copy_ceiling_gbps", lambda: pytest.fail("timed before the chart's folder was made"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    if where == "proc" and not Path("/proc/self").is_dir():
+        pytest.skip("needs Linux's /proc")
+    target = {"under-a-file": blocker / "chart.png", "proc": Path("/proc/tqgen/chart.png"),
+              "new-folder": tmp_path / "new" / "chart.png"}[where]
+    if where == "new-folder":  # made, then the timing starts
+        monkeypatch.setattr(bench, "copy_ceiling_gbps", lambda: (_ for _ in ()).throw(TqgenError("stop here")))
+    status = cli.main(["bench", str(REPO / K3V4), "--cache-dir", str(tmp_path / "c"), "--chart", str(target)])
+    stderr = capsys.readouterr().err
+    assert status == 2 and stderr.count("\n") == 1, stderr
+    if where == "new-folder":
+        assert "stop here" in stderr and target.parent.is_dir()
+    else:
+        assert stderr.startswith("tqgen: error: ") and str(target.parent) in stderr, stderr
+
+
 @pytest.mark.parametrize("options", [["--q-heads", "12"], ["--kv-heads", "0"], ["--q-heads", "-8"],
                                      ["--batch", "0", "--context", "1024"], ["--batch", "1", "--context", "-1"],
                                      ["--store-tokens", "32", "0"], ["--store-tokens", "-4096"]])

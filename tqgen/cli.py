@@ -213,6 +213,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if "decode" not in args.ops:
             raise TqgenError("bench: --chart draws the decode rows; add decode to --ops")
         chart.require_matplotlib()  # fail before the GPU work, not after it
+        make_folder(Path(args.chart).parent)  # likewise: the chart is drawn after every timing
     if args.json:
         make_folder(Path(args.json).parent)  # likewise: a folder that cannot be made loses the whole run
     if args.q_heads < 1 or args.kv_heads < 1 or args.q_heads % args.kv_heads:
