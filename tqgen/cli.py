@@ -309,15 +309,17 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     configs = [config_mod.load(path) for path in args.configs]
     from . import emit, tuned_files, tuner
     from .buckets import default_buckets
+    from .plan import MAX_NUM_WARPS, MIN_BLOCK_KV, decode_runs_launch
 
     space = tuner.SearchSpace(**{field: tuple(values) for field, values in (
         ("block_kv", args.block_kv), ("num_warps", args.warps), ("num_stages", args.stages),
         ("num_splits", args.splits)) if values})
-    if any(v < 32 or v & (v - 1) for v in space.block_kv):
-        raise TqgenError(f"tune: --block-kv takes powers of two >= 32, got {list(space.block_kv)}")
+    # Launches decode refuses: every bucket would reject them.
+    if not all(decode_runs_launch(v, 1) for v in space.block_kv):
+        raise TqgenError(f"tune: --block-kv takes powers of two >= {MIN_BLOCK_KV}, got {list(space.block_kv)}")
     _require_positive("tune", {"--warps": space.num_warps, "--stages": space.num_stages, "--splits": space.num_splits})
-    if any(v > 32 or v & (v - 1) for v in space.num_warps):  # decode refuses them: every bucket would reject them
-        raise TqgenError(f"tune: --warps takes powers of two up to 32, got {list(space.num_warps)}")
+    if not all(decode_runs_launch(MIN_BLOCK_KV, v) for v in space.num_warps):
+        raise TqgenError(f"tune: --warps takes powers of two up to {MAX_NUM_WARPS}, got {list(space.num_warps)}")
     _require_positive("tune", {"--compile-workers": [args.compile_workers]})
     # Else a ZeroDivisionError, a negative tensor size or another bucket's shapes, once the first bucket is drawn.
     _require_positive("tune", {"--kv-heads": [args.kv_heads]})

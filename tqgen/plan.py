@@ -43,6 +43,17 @@ from .layout import KEY_NORM_BYTES, SPLIT_HIGH_ORDER, SPLIT_LOW_ORDER, VALUE_SCA
 FP8_HARDWARE_ARCHES = ("sm89", "sm90", "sm100")
 # Head dims the Gluon stage 1's tiles divide.
 MMA_HEAD_DIMS = (64, 128, 256)
+# The launches decode runs (decode/launch.py.jinja checks them; the tuner and tuned files keep to them): tiles of a
+# power of two from MIN_BLOCK_KV tokens (the launcher's _MIN_BLOCK_KV says why not 16), a power of two of warps up
+# to MAX_NUM_WARPS (1024 threads a program).
+MIN_BLOCK_KV = 32
+MAX_NUM_WARPS = 32
+
+
+def decode_runs_launch(block_kv: int, num_warps: int) -> bool:
+    """Whether decode takes a launch of these tile and warp counts (positive ints)."""
+    return (block_kv >= MIN_BLOCK_KV and block_kv & (block_kv - 1) == 0 and num_warps <= MAX_NUM_WARPS
+            and num_warps & (num_warps - 1) == 0)
 
 
 def next_power_of_two(n: int) -> int:
@@ -634,4 +645,6 @@ class Plan:
             "planes": self.planes,
             "levels": list(codebook.lloyd_max_levels(layout.key_bits)) if not self.key_fp8 else [],
             "split_orders": (SPLIT_LOW_ORDER, SPLIT_HIGH_ORDER),
+            "MIN_BLOCK_KV": MIN_BLOCK_KV,
+            "MAX_NUM_WARPS": MAX_NUM_WARPS,
         }

@@ -40,6 +40,7 @@ from .buckets import BUCKET_KEY_PATTERN, bucket_sort_key
 from .config import Config
 from .errors import TqgenError
 from .files import make_folder, write_atomic, write_failure_reason
+from .plan import decode_runs_launch
 
 # 2: matched on kernel_hash instead of template_hash; 3: kernel_hash over the decode path's definitions
 # (render.decode_kernel_hash), no longer over the text of a hand-kept list of templates.
@@ -57,9 +58,6 @@ ROTATE_FIELD = "rotate_query"
 # merged its own splits (one kernel fewer), false where stage 2 did. Absent, stage 2 merges.
 MERGE_FIELD = "merge_in_stage1"
 LOCK_TIMEOUT_S = 60.0
-# What decode runs (decode/launch.py.jinja's _call_launch): tiles of a power of two from 32 tokens, a power of two
-# of warps up to 32. A baked launch outside them would fail every call of its bucket.
-MIN_BLOCK_KV, MAX_NUM_WARPS = 32, 32
 
 
 def device_fingerprint(device_index: int = 0) -> dict[str, Any]:
@@ -164,16 +162,9 @@ def _read_document(path: Path, expected: dict[str, Any], fields: tuple[str, ...]
         # type(...) is int: a JSON true is an int to isinstance, and no launch field takes it.
         if not (isinstance(best, dict) and all(type(best.get(f)) is int and best[f] > 0 for f in LAUNCH_FIELDS)
                 and isinstance(best.get(ROTATE_FIELD, False), bool) and isinstance(best.get(MERGE_FIELD, False), bool)
-                and _runnable(best)):
+                and decode_runs_launch(best["block_kv"], best["num_warps"])):  # else every call of it would fail
             raise Unusable(f"{path}: bucket {key!r} has no valid 'best' launch")
     return document
-
-
-def _runnable(best: dict) -> bool:
-    """Whether decode runs a best launch of positive ints (MIN_BLOCK_KV, MAX_NUM_WARPS)."""
-    block_kv, num_warps = best["block_kv"], best["num_warps"]
-    return (block_kv >= MIN_BLOCK_KV and block_kv & (block_kv - 1) == 0 and num_warps <= MAX_NUM_WARPS
-            and num_warps & (num_warps - 1) == 0)
 
 
 def _try_flock(handle) -> bool:
