@@ -541,6 +541,29 @@ def test_in_the_interpreter_the_store_keeps_one_kernel(build_module, monkeypatch
     assert [kwargs["KEYS"] for _, _, kwargs in store.launches] == [True]
 
 
+@pytest.mark.parametrize("launch,named", [(dict(block_t=3), "block_t"), (dict(num_warps=3), "num_warps")])
+def test_a_bad_launch_is_refused_before_the_tensor_core_key_store_runs(build_module, monkeypatch, launch, named):
+    """Where the keys go to tq_store_keys_mma (held here to a GPU that runs Gluon), a bad block_t or num_warps for
+    tq_store is refused before either kernel runs: a refused call writes nothing, not the keys without the
+    values."""
+    config = make_config("k3v4", cache_layout="planes")
+    module = build_module(config)
+    monkeypatch.setattr(module, "STORE_KEYS_MMA", True)
+    monkeypatch.setattr(module, "STORE_MMA_MIN_TOKENS", 1)
+    monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)
+    keys_kernel, store = KernelRecorder(), KernelRecorder()
+    monkeypatch.setattr(module, "tq_store_keys_mma", keys_kernel)
+    monkeypatch.setattr(module, "tq_store", store)
+    batch = paged_batch(config, [3, 17], num_kv_heads=2, device="cpu", dtype=torch.float16,
+                        generator=torch.Generator().manual_seed(5))
+    cache = module.make_cache(batch.num_blocks, 2, "cpu")
+    with pytest.raises(module.LaunchError, match=f"^store: {named} must be"):
+        module.store(batch.key, batch.value, cache, batch.slot_mapping, **launch)
+    assert keys_kernel.launches == [] and store.launches == []
+    module.store(batch.key, batch.value, cache, batch.slot_mapping)  # the same call with a good launch: both run
+    assert len(keys_kernel.launches) == 1 and [kwargs["KEYS"] for _, _, kwargs in store.launches] == [False]
+
+
 _STORE_MMA_COMPILE = """
 import json, os, sys, tempfile
 sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
