@@ -119,6 +119,25 @@ def test_q_len_one_is_decode_bit_for_bit(device, build_module, preset, layout):
     assert torch.equal(multi[:, 0], single)
 
 
+@pytest.mark.parametrize("preset,layout", [("k4v4", "slots"), ("k8v4", "planes")])
+def test_q_len_one_with_a_workspace_merges_in_stage1_where_decode_does(device, build_module, monkeypatch, preset,
+                                                                        layout):
+    """Where the shape bucket merges the splits in stage 1 for calls with a workspace (merged_in_stage1: the H200's
+    k4v4 slots tunes do at batch <= 8), decode_multi at q_len 1 takes decode's choice: decode's results bit for
+    bit, where stage 2 merging them differs in the last bits."""
+    config = make_config(preset, cache_layout=layout)
+    module = build_module(config)
+    monkeypatch.setattr(module, "merged_in_stage1", lambda batch, group_size, context, device: True)
+    batch, cache, query, kwargs = multi_inputs(module, config, [1, 20, 70], device, 1)
+    workspace = module.DecodeWorkspace(3, 8, 8, device)
+    single = module.decode(query[:, 0], cache, batch.block_table, batch.seq_lens, workspace=workspace, num_splits=4,
+                           **kwargs)
+    multi = module.decode_multi(query, cache, batch.block_table, batch.seq_lens, workspace=workspace, num_splits=4,
+                                **kwargs)
+    assert torch.equal(multi[:, 0], single)
+    assert not workspace.split_counters.any()  # left zeros, as decode leaves them
+
+
 @pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
 def test_multi_token_kernel_at_one_token_is_the_tl_dot_decode(device, build_module, monkeypatch, preset):
     """decode_multi runs decode's kernels at q_len 1; its own stage 1 at Q_LEN 1 computes what decode's
