@@ -226,6 +226,20 @@ def test_workspace_and_out_buffers(device, build_module):
     assert torch.equal(out, plain)
 
 
+def test_q_len_one_takes_any_out_that_decode_takes(device, build_module):
+    """At q_len 1 `out`'s [batch, 1] dims need not flatten (decode's kernels write out[:, 0]): a view of one token
+    of a larger buffer is written as decode writes it, and nothing else in the buffer."""
+    config = make_config("k8v4", cache_layout="planes")
+    module = build_module(config)
+    batch, cache, query, kwargs = multi_inputs(module, config, [1, 20, 40], device, 1)
+    buffer = torch.full((3, 2, 8, 128), float("nan"), device=device)
+    out = buffer[:, 1:]  # strides (2048, 1024, 128, 1): out.stride(0) != q_len * out.stride(1)
+    result = module.decode_multi(query, cache, batch.block_table, batch.seq_lens, out=out, **kwargs)
+    assert result is out
+    assert torch.equal(out[:, 0], module.decode(query[:, 0], cache, batch.block_table, batch.seq_lens, **kwargs))
+    assert buffer[:, 0].isnan().all()
+
+
 def test_decode_multi_rejects_bad_arguments(device, build_module):
     config = make_config("k3v4", cache_layout="planes")
     module = build_module(config)
