@@ -4,6 +4,7 @@ single-token decode it must equal at q_len 1. The CPU runs a subset; the GPU (`p
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -263,6 +264,21 @@ def test_decode_multi_rejects_bad_arguments(device, build_module):
             module.decode_multi(call.pop("query"), call.pop("kv_cache"), call.pop("block_table"),
                                 call.pop("seq_lens"), **kwargs, **call)
         assert "\n" not in str(raised.value)
+
+
+def test_max_seq_len_takes_any_integer_and_refuses_the_rest_in_one_line(device, build_module):
+    """max_seq_len picks the launch: a numpy or 0-dim tensor integer is that int (it was refused as a bad
+    num_splits, which the call never passed); a negative, infinite or non-integer one is refused naming it."""
+    config = make_config("k8v4", cache_layout="planes")
+    module = build_module(config)
+    batch, cache, query, kwargs = multi_inputs(module, config, [3, 20], device, 3)
+    plain = module.decode_multi(query, cache, batch.block_table, batch.seq_lens, max_seq_len=100, **kwargs)
+    for max_seq_len in (np.int64(100), torch.tensor(100)):
+        out = module.decode_multi(query, cache, batch.block_table, batch.seq_lens, max_seq_len=max_seq_len, **kwargs)
+        assert torch.equal(out, plain)
+    for max_seq_len in (-1, float("inf"), 100.0, "100", [100], True, torch.tensor(100.0)):
+        with pytest.raises(module.LaunchError, match="^decode_multi: max_seq_len must be a non-negative int"):
+            module.decode_multi(query, cache, batch.block_table, batch.seq_lens, max_seq_len=max_seq_len, **kwargs)
 
 
 def test_empty_batch(device, build_module):

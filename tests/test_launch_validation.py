@@ -245,6 +245,10 @@ ROWS = [
     ("decode-out_shape", call("decode", out=lambda c: torch.empty(2, 8, 64, device=c.device)), "out", ()),
     ("decode-workspace_small", call("decode", workspace=lambda c: c.module.DecodeWorkspace(
         1, KV_HEADS * GROUP, 4, c.device), num_splits=lambda c: 2), "workspace", ()),
+    ("decode-max_seq_len_negative", call("decode", max_seq_len=lambda c: -1), "max_seq_len", ()),
+    ("decode-max_seq_len_inf", call("decode", max_seq_len=lambda c: float("inf")), "max_seq_len", ()),
+    ("decode-max_seq_len_str", call("decode", max_seq_len=lambda c: "64"), "max_seq_len", ()),
+    ("decode-max_seq_len_float_tensor", call("decode", max_seq_len=lambda c: torch.tensor(64.0)), "max_seq_len", ()),
     ("decode-num_splits_zero", call("decode", num_splits=lambda c: 0), "num_splits", ()),
     ("decode-num_stages_zero", call("decode", num_stages=lambda c: 0), "num_stages", ()),
     ("decode-num_stages_float", call("decode", num_stages=lambda c: 2.0), "num_stages", ()),
