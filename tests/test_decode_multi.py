@@ -571,6 +571,25 @@ def test_decode_ragged_refuses_bad_query_start_loc_in_one_line(device, build_mod
                              torch.tensor(starts, dtype=torch.int32, device=device), max_query_len)
 
 
+def test_decode_ragged_names_itself_in_the_checks_it_shares_with_decode_multi(device, build_module):
+    """The launch, codebook and workspace checks decode_multi makes for decode_ragged's padded call are refused as
+    decode_ragged's: the function called, not one the caller never called."""
+    config = make_config("k3v4", cache_layout="planes")
+    module = build_module(config)
+    batch, cache = stored_cache(module, config, [5, 18], device, 2, 0)
+    query = torch.zeros(4, 8, 128, device=device)
+    starts = torch.tensor([0, 2, 4], dtype=torch.int32, device=device)
+    cases = [
+        (dict(num_splits=0), "num_splits must be"), (dict(block_kv=16), "block_kv must be"),
+        (dict(num_warps=3), "num_warps must be"), (dict(max_seq_len=-1), "max_seq_len must be"),
+        (dict(rotation=torch.eye(64, device=device)), "rotation must be"),
+        (dict(workspace=module.DecodeWorkspace(2, 16, 4, device, max_q_len=2)), "workspace holds"),
+    ]
+    for override, message in cases:
+        with pytest.raises(module.LaunchError, match=f"^decode_ragged: {message}"):
+            module.decode_ragged(query, cache, batch.block_table, batch.seq_lens, starts, 2, **override)
+
+
 def test_decode_ragged_refuses_an_empty_query_start_loc_in_one_line(device, build_module):
     """No tokens and a query_start_loc without its leading 0 (batch -1): refused, not an IndexError."""
     config = make_config("k8v4", cache_layout="planes")
