@@ -386,9 +386,15 @@ def test_a_damaged_tuned_file_is_reported_and_ignored_by_build_and_show(tmp_path
     assert "none" in result.stdout
 
 
-@pytest.mark.parametrize("option, value", [("--kv-heads", "0"), ("--kv-heads", "-2"), ("--group-size", "0"),
-                                           ("--group-size", "-1"), ("--batch", "0"), ("--context", "0")])
-def test_tune_refuses_non_positive_shapes_with_one_line_before_tuning(tmp_path, monkeypatch, capsys, option, value):
+@pytest.mark.parametrize("option, values", [
+    # Shapes that are not positive: a ZeroDivisionError or a negative tensor size once the first bucket is drawn.
+    ("--kv-heads", ["0"]), ("--kv-heads", ["-2"]), ("--group-size", ["0"]), ("--group-size", ["-1"]),
+    ("--batch", ["0"]), ("--context", ["0"]),
+    # Launches decode refuses (num_warps a power of two up to 32, block_kv one of at least 32): every such candidate
+    # would be rejected in every bucket, and with no other, every bucket would fail, after the tune.
+    ("--warps", ["1", "3"]), ("--warps", ["64"]), ("--block-kv", ["48"]), ("--block-kv", ["16"])])
+def test_tune_refuses_bad_shapes_and_launches_with_one_line_before_tuning(tmp_path, monkeypatch, capsys, option,
+                                                                         values):
     from tqgen import cli
 
     # As on a GPU, but nothing may be tuned: the check comes first.
@@ -398,29 +404,10 @@ def test_tune_refuses_non_positive_shapes_with_one_line_before_tuning(tmp_path, 
     config = tmp_path / "k3v4.yaml"
     config.write_text("key_format: mse\nkey_bits: 3\nvalue_bits: 4\nhead_dim: 64\n")
     status = cli.main(["tune", str(config), "--tuned-dir", str(tmp_path / "tuned"), "--cache-dir", str(tmp_path / "c"),
-                       "--batch", "1", "--context", "100", "--compile-workers", "1", option, value])
+                       "--batch", "1", "--context", "100", "--compile-workers", "1", option, *values])
     stderr = capsys.readouterr().err
     assert status == 2 and stderr.startswith("tqgen: error: tune: ") and stderr.count("\n") == 1, stderr
     assert option in stderr
-
-
-@pytest.mark.parametrize("option, values", [("--warps", ["1", "3"]), ("--warps", ["64"]), ("--block-kv", ["48"]),
-                                            ("--block-kv", ["16"])])
-def test_tune_refuses_launches_the_kernels_cannot_run_with_one_line_before_tuning(tmp_path, monkeypatch, capsys, option,
-                                                                                  values):
-    """decode refuses a num_warps that is not a power of two up to 32 (and a block_kv not one of at least 32): every
-    such candidate would be rejected in every bucket, and with no other, every bucket would fail, after the tune."""
-    from tqgen import cli
-
-    monkeypatch.setattr(cli, "_cuda_available", lambda: True)
-    monkeypatch.setattr(tuned_files, "device_fingerprint", lambda: FINGERPRINT)
-    monkeypatch.setattr(tuner, "tune", lambda *a, **k: pytest.fail("tuned with a bad option"))
-    config = tmp_path / "k3v4.yaml"
-    config.write_text("key_format: mse\nkey_bits: 3\nvalue_bits: 4\nhead_dim: 64\n")
-    status = cli.main(["tune", str(config), "--tuned-dir", str(tmp_path / "tuned"), "--cache-dir", str(tmp_path / "c"),
-                       "--batch", "1", "--context", "100", "--compile-workers", "1", option, *values])
-    stderr = capsys.readouterr().err
-    assert status == 2 and stderr.startswith(f"tqgen: error: tune: {option} ") and stderr.count("\n") == 1, stderr
 
 
 @pytest.mark.parametrize("where", ["under-a-file", "proc"])
