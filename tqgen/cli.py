@@ -397,7 +397,8 @@ def make_parser() -> argparse.ArgumentParser:
     verify.add_argument("configs", nargs="+", metavar="CONFIG")
     verify.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if available, else cpu (interpreter)")
     verify.add_argument("--seed", type=int, default=0)
-    verify.add_argument("--cache-dir", metavar="DIR", help="where generated modules go (default: ~/.cache/tqgen)")
+    verify.add_argument("--cache-dir", metavar="DIR", help="where generated modules go (default: $TQGEN_CACHE_DIR, "
+                        "else $XDG_CACHE_HOME/tqgen or ~/.cache/tqgen)")
     verify.set_defaults(run=_cmd_verify)
 
     tune = commands.add_parser("tune", help="pick decode launches per shape bucket on this GPU (writes tuned/)")
