@@ -63,6 +63,20 @@ def test_readme_example_runs(monkeypatch, tmp_path):
     assert list(tmp_path.glob("tq_kmse3_v4_d128_*.py"))
 
 
+def test_readme_decode_multi_example_runs(monkeypatch, tmp_path):
+    """The speculative-decoding example, run after the first one as the README reads (its cache and block table),
+    with decode_multi's default validate=True."""
+    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Several query tokens per sequence"):]
+    program = _readme_example() + re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("TQGEN_CACHE_DIR", str(tmp_path))
+    namespace = {}
+    exec(compile(program.replace('"cuda"', repr(device)), "README.md", "exec"), namespace)
+    assert namespace["out"].shape == (2, 3, 32, 128) and torch.isfinite(namespace["out"]).all()
+
+
 def test_readme_build_example_loads_what_a_build_here_writes(monkeypatch, tmp_path, capsys):
     """The Quick start's `tqgen build`, run on this machine (no GPU needed), writes the files that the
     README's examples load: the dispatcher, named without an arch."""
