@@ -330,8 +330,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     fingerprint = tuned_files.device_fingerprint()
     errors = []
     for config in (emit.as_config(c) for c in configs):
-        print(f"{config.name}: {len(buckets)} buckets x {len(space.candidates())} launches (up to 4x as many candidates "
-              f"at small batches: the query's rotation and the split merge timed both ways) on "
+        print(f"{config.name}: {len(buckets)} buckets x {len(space.candidates())} launches (up to 4x as many "
+              f"candidates at small batches: the query's rotation and the split merge timed both ways) on "
               f"{fingerprint['device_name']}", flush=True)
         started = time.monotonic()
         try:
