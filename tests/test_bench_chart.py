@@ -1,5 +1,6 @@
 """The benchmark's host-side pieces: table, JSON and chart (the timings themselves need a GPU)."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -96,7 +97,8 @@ def test_chart_write_and_read_failures_are_one_line_errors(tmp_path, capsys):
     assert "cannot be read" in err and "\n" not in err and not (tmp_path / "chart.png").exists()
 
 
-def _timed_decode(monkeypatch, *, plain_ms, graph_ms, sdpa_ms, batch=2, context=64, q_heads=12, kv_heads=4):
+def _timed_decode(monkeypatch, *, plain_ms, graph_ms, sdpa_ms, batch=2, context=64, q_heads=12, kv_heads=4,
+                  slot_bytes=118, used_bytes=118):
     """bench_decode on the CPU: a stand-in module and problem, the timers replaced by fixed times (graph replays in
     the order bench takes them: decode's launch, the seed's, the heuristic's, then SDPA, which runs once for real)."""
     import types
@@ -106,9 +108,9 @@ def _timed_decode(monkeypatch, *, plain_ms, graph_ms, sdpa_ms, batch=2, context=
 
     head_dim, sdpa_outputs = 16, []
     module = types.SimpleNamespace(
-        SLOT_BYTES=118, TUNED_LAUNCHES={}, bucket_key=lambda *a: "b", DecodeWorkspace=lambda *a: None,
-        decode_launch=lambda *a: (32, 1, 2, 8), decode_launch_defaults=lambda *a: (32, 1, 2, 8),
-        decode=lambda *a, **k: None)
+        SLOT_BYTES=slot_bytes, VALUE_ZERO_OFFSET=used_bytes - 2, TUNED_LAUNCHES={}, bucket_key=lambda *a: "b",
+        DecodeWorkspace=lambda *a: None, decode_launch=lambda *a: (32, 1, 2, 8),
+        decode_launch_defaults=lambda *a: (32, 1, 2, 8), decode=lambda *a, **k: None)
     monkeypatch.setattr(bench, "random_problem", lambda module, config, b, t, hq, hk, device: {
         "cache": torch.zeros(1), "block_table": None, "seq_lens": None,
         "query": torch.randn(b, hq, head_dim, dtype=torch.float16)})
@@ -186,3 +188,50 @@ def test_dequantize_counts_the_bytes_of_the_dtype_it_writes(build_module, monkey
                                  device="cpu")
     slots = batch * kv_heads * context
     assert row.nbytes == slots * module.SLOT_BYTES + 2 * slots * config.head_dim * element_size
+
+
+def _stub_module(slot_bytes, used_bytes, head_dim=16):
+    """A stand-in fp8-keys module for the store and dequantize timings on the CPU (the kernels do nothing)."""
+    import types
+
+    import torch
+
+    return types.SimpleNamespace(
+        KEY_FORMAT="fp8", SLOT_BYTES=slot_bytes, VALUE_ZERO_OFFSET=used_bytes - 2, DecodeWorkspace=lambda *a: None,
+        make_cache=lambda blocks, heads, device: torch.zeros(blocks, 16, heads, slot_bytes, dtype=torch.uint8),
+        store=lambda *a, **k: None, decode=lambda *a, **k: None, decode_launch=lambda *a: (32, 1, 2, 8),
+        dequantize=lambda cache, table, lens, max_len, **k: [torch.zeros(len(lens), cache.shape[2], max_len, head_dim,
+                                                                         dtype=torch.float16)] * 2)
+
+
+def test_bytes_leave_out_the_padding_that_rounds_a_slot_up_to_even(monkeypatch):
+    # A slot of 69 bytes of fields is 70 bytes long (Layout.slot_bytes): no kernel reads or writes the padding
+    # byte, so decode, store and dequantize count 69 bytes a token and KV head.
+    import types
+
+    import torch
+    import triton.testing
+
+    from tqgen import vllm
+
+    batch, context, q_heads, kv_heads, head_dim = 2, 64, 12, 4, 16
+    row, _ = _timed_decode(monkeypatch, plain_ms=0.2, graph_ms=0.1, sdpa_ms=0.3, slot_bytes=70, used_bytes=69)
+    assert row.gbps == pytest.approx(batch * kv_heads * context * 69 / 100e-6 / 1e9)
+
+    module, config = _stub_module(70, 69), types.SimpleNamespace(name="k3v4-d72", head_dim=head_dim, block_size=16,
+                                                                  cache_layout="slots")
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **k: 0.5)
+    store = bench.bench_store(module, config, 32, ceiling_gbps=1000.0, num_kv_heads=kv_heads, device="cpu")
+    assert store.nbytes == 2 * 32 * kv_heads * head_dim * 2 + 32 * kv_heads * 69
+    monkeypatch.setattr(bench, "random_problem", lambda module, config, b, t, hq, hk, device, **k: {
+        "cache": torch.zeros(b * t // 16, 16, hk, 70, dtype=torch.uint8), "block_table": torch.zeros(b, t // 16),
+        "seq_lens": torch.full((b,), t), "query": torch.randn(b, hq, head_dim, dtype=torch.float16)})
+    dequantize = bench.bench_dequantize(module, config, batch, context, ceiling_gbps=1000.0, num_kv_heads=kv_heads,
+                                        device="cpu")
+    assert dequantize.nbytes == batch * kv_heads * context * (69 + 2 * head_dim * 2)
+    monkeypatch.setattr(bench, "vllm_decode_call", lambda *a: lambda: None)
+    monkeypatch.setattr(bench, "_sdpa_ms", lambda *a: 0.5)
+    monkeypatch.setattr(vllm, "cache_layout_for", lambda layout: contextlib.nullcontext())
+    drop_in = bench.bench_vllm_decode(module, config, batch, context, ceiling_gbps=1000.0, num_q_heads=q_heads,
+                                      num_kv_heads=kv_heads, device="cpu")
+    assert drop_in.gbps == pytest.approx(batch * kv_heads * context * 69 / 500e-6 / 1e9)

@@ -3,7 +3,7 @@
 For each (config, batch, context) it reports, all measured in the same process:
 - the whole decode call (query rotation, stage 1, stage 2): plain launches and
   a CUDA-graph replay, median microseconds;
-- GB/s of compressed bytes read (batch x kv_heads x context x slot_bytes) and
+- GB/s of compressed bytes read (batch x kv_heads x context x bytes of the slot's fields) and
   that as a percentage of a device-to-device copy ceiling measured in this run;
 - the speedup over torch SDPA decode on a dense fp16 cache of the same shape (both CUDA-graph replays);
 - the speedup over the same generated kernel launched with vLLM's kernel's choice
@@ -140,7 +140,7 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
     del cache
     sdpa_ms = _sdpa_ms(query, num_kv_heads, context)
 
-    gbps = _gbps(batch * num_kv_heads * context * module.SLOT_BYTES, default_ms)
+    gbps = _gbps(batch * num_kv_heads * context * token_bytes(module), default_ms)
     return BenchRow(
         config=config.name, batch=batch, context=context, plain_us=plain_ms * 1e3, graph_us=default_ms * 1e3,
         gbps=gbps, ceiling_pct=100 * gbps / ceiling_gbps, sdpa_us=sdpa_ms * 1e3,
@@ -182,7 +182,6 @@ def bench_vllm_decode(module: ModuleType, config: Config, batch: int, context: i
 
     problem = random_problem(module, config, batch, context, num_q_heads, num_kv_heads, device)
     cache, block_table, seq_lens, query = (problem[k] for k in ("cache", "block_table", "seq_lens", "query"))
-    slot_bytes = module.SLOT_BYTES
     codebook = codebook_kwargs(module, device)
     call = vllm_decode_call(module, config, problem, max_num_kv_splits)
     with vllm.cache_layout_for(config.cache_layout):
@@ -202,7 +201,7 @@ def bench_vllm_decode(module: ModuleType, config: Config, batch: int, context: i
     module_ms = triton.testing.do_bench_cudagraph(module_decode, return_mode="median")
     del problem, cache, call
     sdpa_ms = _sdpa_ms(query, num_kv_heads, context)
-    gbps = _gbps(batch * num_kv_heads * context * slot_bytes, graph_ms)
+    gbps = _gbps(batch * num_kv_heads * context * token_bytes(module), graph_ms)
     return VllmDecodeRow(config=config.name, layout=config.cache_layout, batch=batch, context=context,
                          graph_us=graph_ms * 1e3, gbps=gbps, ceiling_pct=100 * gbps / ceiling_gbps,
                          sdpa_us=sdpa_ms * 1e3, speedup_vs_sdpa=sdpa_ms / graph_ms, module_us=module_ms * 1e3,
@@ -239,6 +238,13 @@ def vllm_decode_call(module: ModuleType, config: Config, problem: dict,
     return call
 
 
+def token_bytes(module: ModuleType) -> int:
+    """The cache bytes of one token and KV head that decode and dequantize read and store writes: the slot's
+    fields, without the byte that rounds a slot up to an even size (no kernel reads or writes it; "planes" keeps it
+    in a plane of its own)."""
+    return module.VALUE_ZERO_OFFSET + 2
+
+
 def _gbps(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
@@ -267,7 +273,7 @@ def bench_store(module: ModuleType, config: Config, num_tokens: int, *, ceiling_
 
     call()
     graph_ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
-    nbytes = 2 * key.numel() * key.element_size() + num_tokens * num_kv_heads * module.SLOT_BYTES
+    nbytes = 2 * key.numel() * key.element_size() + num_tokens * num_kv_heads * token_bytes(module)
     return _op_row(config, "store", f"{num_tokens} tokens", graph_ms, nbytes, ceiling_gbps)
 
 
@@ -291,7 +297,7 @@ def bench_dequantize(module: ModuleType, config: Config, batch: int, context: in
 
     written = sum(t.numel() * t.element_size() for t in call())  # K and V in the config's output dtype
     graph_ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
-    nbytes = batch * num_kv_heads * context * module.SLOT_BYTES + written
+    nbytes = batch * num_kv_heads * context * token_bytes(module) + written
     return _op_row(config, "dequantize", f"{batch}x{context}", graph_ms, nbytes, ceiling_gbps)
 
 
