@@ -137,7 +137,7 @@ def test_decode_bytes_and_sdpa_shape_follow_the_head_counts(monkeypatch):
     batch, context, q_heads, kv_heads = 2, 64, 12, 4
     row, sdpa_out = _timed_decode(monkeypatch, plain_ms=0.2, graph_ms=0.1, sdpa_ms=0.3, batch=batch, context=context,
                                   q_heads=q_heads, kv_heads=kv_heads)
-    nbytes = batch * kv_heads * context * 118
+    nbytes = batch * kv_heads * context * 118 + 2 * batch * q_heads * 16 * 2  # the cache, the query and the output
     assert row.gbps == pytest.approx(nbytes / 100e-6 / 1e9)
     assert row.ceiling_pct == pytest.approx(100 * row.gbps / 4000.0)
     assert tuple(sdpa_out.shape) == (batch, q_heads, 1, 16)
@@ -216,7 +216,8 @@ def test_bytes_leave_out_the_padding_that_rounds_a_slot_up_to_even(monkeypatch):
 
     batch, context, q_heads, kv_heads, head_dim = 2, 64, 12, 4, 16
     row, _ = _timed_decode(monkeypatch, plain_ms=0.2, graph_ms=0.1, sdpa_ms=0.3, slot_bytes=70, used_bytes=69)
-    assert row.gbps == pytest.approx(batch * kv_heads * context * 69 / 100e-6 / 1e9)
+    query_and_out = 2 * batch * q_heads * head_dim * 2
+    assert row.gbps == pytest.approx((batch * kv_heads * context * 69 + query_and_out) / 100e-6 / 1e9)
 
     module, config = _stub_module(70, 69), types.SimpleNamespace(name="k3v4-d72", head_dim=head_dim, block_size=16,
                                                                   cache_layout="slots")
@@ -234,4 +235,15 @@ def test_bytes_leave_out_the_padding_that_rounds_a_slot_up_to_even(monkeypatch):
     monkeypatch.setattr(vllm, "cache_layout_for", lambda layout: contextlib.nullcontext())
     drop_in = bench.bench_vllm_decode(module, config, batch, context, ceiling_gbps=1000.0, num_q_heads=q_heads,
                                       num_kv_heads=kv_heads, device="cpu")
-    assert drop_in.gbps == pytest.approx(batch * kv_heads * context * 69 / 500e-6 / 1e9)
+    assert drop_in.gbps == pytest.approx((batch * kv_heads * context * 69 + query_and_out) / 500e-6 / 1e9)
+
+
+def test_decode_bytes_count_the_query_read_and_the_output_written(monkeypatch):
+    # The ceiling counts bytes read plus bytes written: a decode reads its query and writes its output besides the
+    # cache (2 x 1 x 32 x 128 fp16 = 16 KiB, 1.7% of a k3v4 call's cache bytes at 1 x 1024 over 8 KV heads).
+    batch, context, q_heads, kv_heads = 1, 1024, 32, 8
+    row, _ = _timed_decode(monkeypatch, plain_ms=0.02, graph_ms=0.01, sdpa_ms=0.01, batch=batch, context=context,
+                           q_heads=q_heads, kv_heads=kv_heads)
+    nbytes = batch * kv_heads * context * 118 + 2 * batch * q_heads * 16 * 2
+    assert row.gbps == pytest.approx(nbytes / 10e-6 / 1e9)
+    assert row.ceiling_pct == pytest.approx(100 * row.gbps / 4000.0)

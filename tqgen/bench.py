@@ -3,8 +3,9 @@
 For each (config, batch, context) it reports, all measured in the same process:
 - the whole decode call (query rotation, stage 1, stage 2): plain launches and
   a CUDA-graph replay, median microseconds;
-- GB/s of compressed bytes read (batch x kv_heads x context x bytes of the slot's fields) and
-  that as a percentage of a device-to-device copy ceiling measured in this run;
+- GB/s of the bytes the call must move (the compressed cache read, batch x kv_heads x context x bytes of the slot's
+  fields, plus the query read and the output written) and that as a percentage of a device-to-device copy ceiling
+  measured in this run;
 - the speedup over torch SDPA decode on a dense fp16 cache of the same shape (both CUDA-graph replays);
 - the speedup over the same generated kernel launched with vLLM's kernel's choice
   (32 splits, 1 warp, 1 stage; BLOCK_KV 32, since tl.dot needs tiles of >= 16
@@ -140,7 +141,7 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
     del cache
     sdpa_ms = _sdpa_ms(query, num_kv_heads, context)
 
-    gbps = _gbps(batch * num_kv_heads * context * token_bytes(module), default_ms)
+    gbps = _gbps(decode_bytes(module, query, out, num_kv_heads, context), default_ms)
     return BenchRow(
         config=config.name, batch=batch, context=context, plain_us=plain_ms * 1e3, graph_us=default_ms * 1e3,
         gbps=gbps, ceiling_pct=100 * gbps / ceiling_gbps, sdpa_us=sdpa_ms * 1e3,
@@ -201,7 +202,7 @@ def bench_vllm_decode(module: ModuleType, config: Config, batch: int, context: i
     module_ms = triton.testing.do_bench_cudagraph(module_decode, return_mode="median")
     del problem, cache, call
     sdpa_ms = _sdpa_ms(query, num_kv_heads, context)
-    gbps = _gbps(batch * num_kv_heads * context * token_bytes(module), graph_ms)
+    gbps = _gbps(decode_bytes(module, query, out, num_kv_heads, context), graph_ms)  # out: as output_buf
     return VllmDecodeRow(config=config.name, layout=config.cache_layout, batch=batch, context=context,
                          graph_us=graph_ms * 1e3, gbps=gbps, ceiling_pct=100 * gbps / ceiling_gbps,
                          sdpa_us=sdpa_ms * 1e3, speedup_vs_sdpa=sdpa_ms / graph_ms, module_us=module_ms * 1e3,
@@ -243,6 +244,13 @@ def token_bytes(module: ModuleType) -> int:
     fields, without the byte that rounds a slot up to an even size (no kernel reads or writes it; "planes" keeps it
     in a plane of its own)."""
     return module.VALUE_ZERO_OFFSET + 2
+
+
+def decode_bytes(module: ModuleType, query: torch.Tensor, out: torch.Tensor, num_kv_heads: int, context: int) -> int:
+    """What a decode of `context` tokens a sequence must move: each KV head's cache bytes of those tokens (once for
+    its group of query heads), the query read and the output written."""
+    cache_bytes = query.shape[0] * num_kv_heads * context * token_bytes(module)
+    return cache_bytes + query.numel() * query.element_size() + out.numel() * out.element_size()
 
 
 def _gbps(nbytes: int, ms: float) -> float:

@@ -65,7 +65,7 @@ def draw(payload: dict, path) -> Path:
         axis.set_title(f"batch {batch}")
         axis.set_xlabel("context (tokens)")
         axis.grid(alpha=0.3)
-    axes[0][0].set_ylabel("GB/s of compressed cache read")
+    axes[0][0].set_ylabel("GB/s: cache and query read, output written")
     axes[0][-1].legend(fontsize=7, loc="center right")
     meta = payload.get("metadata", {})
     figure.suptitle(f"tqgen decode, {meta.get('device', 'unknown device')}, triton {meta.get('triton', '?')}, "
