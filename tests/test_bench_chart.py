@@ -247,3 +247,18 @@ def test_decode_bytes_count_the_query_read_and_the_output_written(monkeypatch):
     nbytes = batch * kv_heads * context * 118 + 2 * batch * q_heads * 16 * 2
     assert row.gbps == pytest.approx(nbytes / 10e-6 / 1e9)
     assert row.ceiling_pct == pytest.approx(100 * row.gbps / 4000.0)
+
+
+def test_bench_tables_take_the_cache_layout_from_the_run_not_the_name():
+    # A config's name is cosmetic (its name: field, else its file's name, which need not end in "planes"): the run
+    # records each config's fields, and the table's heading takes its layout from them.
+    import bench_tables
+
+    from tqgen.config import Config
+
+    config = Config(key_format="mse", key_bits=3, value_bits=4, head_dim=128, norm_correction=True,
+                    rotation="hadamard", cache_layout="planes", name="k3v4-d128")
+    metadata = {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "date": "2026-12-06", "q_heads": 32,
+                "kv_heads": 8, "configs": {config.name: config.to_dict()}}
+    document = bench.payload([_decode_row(config.name, 32, 8192, 3000.0)], 4200.0, metadata)
+    assert bench_tables.tables([document]).count("### k3v4, planes (k3v4-d128)") == 1

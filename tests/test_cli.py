@@ -471,3 +471,28 @@ def test_bench_refuses_bad_heads_and_shapes_with_one_line_before_timing(monkeypa
     stderr = capsys.readouterr().err
     assert status == 2 and stderr.startswith("tqgen: error: bench: ") and stderr.count("\n") == 1, stderr
     assert options[0] in stderr
+
+
+def test_bench_json_records_the_command_and_each_config(tmp_path, monkeypatch):
+    # The JSON alone rebuilds BENCHMARKS.md's tables and says how to re-run them: the command line, the TQGEN_
+    # settings and each config's resolved fields (its cache layout, which a config's cosmetic name need not say).
+    import json
+    import shlex
+
+    from tqgen import bench, cli
+
+    monkeypatch.setattr(cli, "_cuda_available", lambda: True)
+    monkeypatch.setattr(bench, "copy_ceiling_gbps", lambda: 1000.0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Test GPU")
+    monkeypatch.setattr(bench, "bench_store", lambda module, config, tokens, **k: bench.OpRow(
+        config=config.name, op="store", shape=f"{tokens} tokens", graph_us=1.0, nbytes=1, gbps=1.0, ceiling_pct=0.1))
+    monkeypatch.setenv("TQGEN_BENCH_TEST_SETTING", "1")
+    target = tmp_path / "bench.json"
+    argv = ["bench", str(REPO / "configs/k3v4-d128-planes.yaml"), "--ops", "store", "--store-tokens", "32",
+            "--cache-dir", str(tmp_path / "c"), "--json", str(target)]
+    assert cli.main(argv) == 0
+    metadata = json.loads(target.read_text())["metadata"]
+    assert metadata["command"] == shlex.join(["tqgen", *argv])
+    assert metadata["environment"]["TQGEN_BENCH_TEST_SETTING"] == "1"
+    assert metadata["configs"]["k3v4-d128-planes"]["cache_layout"] == "planes"
+    assert metadata["configs"]["k3v4-d128-planes"]["head_dim"] == 128

@@ -17,21 +17,26 @@ import sys
 def tables(documents: list[dict]) -> str:
     decode = collections.defaultdict(list)
     ops = collections.defaultdict(list)
-    runs = []
+    runs, layouts = [], {}
     for document in documents:
         meta = document["metadata"]
+        # Each config's cache layout as the run recorded it (earlier runs did not: then its name says it).
+        layouts.update({name: fields["cache_layout"] for name, fields in meta.get("configs", {}).items()})
         runs.append(f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
                     f"{meta['q_heads']}/{meta['kv_heads']} heads, copy ceiling {document['copy_ceiling_gbps']:.0f} GB/s")
         for row in document["rows"]:  # a table per config and head count: rows of other head counts are not comparable
             decode[row["config"], meta["q_heads"], meta["kv_heads"]].append(row)
         for row in document.get("op_rows", []):
             ops[row["config"]].append(row)
+
+    def layout(config):
+        return layouts.get(config, "planes" if config.endswith("planes") else "slots")
+
     lines = [f"Runs: {'; '.join(runs)}.", ""]
-    for key in sorted(decode, key=lambda key: (key[0].endswith("planes"), key)):
+    for key in sorted(decode, key=lambda key: (layout(key[0]) == "planes", key)):
         config, q_heads, kv_heads = key
-        layout = "planes" if config.endswith("planes") else "slots"
         heads = "" if (q_heads, kv_heads) == (32, 8) else f", {q_heads}/{kv_heads} heads"  # BENCHMARKS.md's default
-        lines += [f"### {config.split('-')[0]}, {layout} ({config}{heads})", "",
+        lines += [f"### {config.split('-')[0]}, {layout(config)} ({config}{heads})", "",
                   "| batch x context | us | % of ceiling | x fp16 SDPA | fp16 SDPA us | launch |", "|---|---|---|---|---|---|"]
         for row in sorted(decode[key], key=lambda r: (r["batch"], r["context"])):
             # x fp16 SDPA from the two graph replays printed beside it (earlier bench versions stored SDPA's time

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import platform
 from pathlib import Path
 from types import ModuleType
@@ -340,13 +341,16 @@ def format_table(rows: list[BenchRow], ceiling_gbps: float, op_rows: list[OpRow]
     return "\n".join(lines)
 
 
-def run_metadata(num_q_heads: int, num_kv_heads: int) -> dict:
-    """What a bench run measured on: device, software versions, date, head counts."""
+def run_metadata(num_q_heads: int, num_kv_heads: int, command: str = "", configs: list[Config] = ()) -> dict:
+    """What a bench run measured on: device, software versions, date, head counts, the command that ran it (and the
+    TQGEN_ settings it ran under), and each config's resolved fields by name (its cache layout, head_dim, ...)."""
     import triton
 
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.date.today().isoformat(), "python": platform.python_version(),
-            "q_heads": num_q_heads, "kv_heads": num_kv_heads}
+            "q_heads": num_q_heads, "kv_heads": num_kv_heads, "command": command,
+            "environment": {name: value for name, value in sorted(os.environ.items()) if name.startswith("TQGEN_")},
+            "configs": {config.name: config.to_dict() for config in configs}}
 
 
 def payload(rows: list[BenchRow], ceiling_gbps: float, metadata: dict, op_rows: list[OpRow] = (),

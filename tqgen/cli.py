@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -260,7 +261,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                   flush=True)
         op_rows += measured
     print(bench.format_table(rows, ceiling, op_rows, vllm_rows))
-    document = bench.payload(rows, ceiling, bench.run_metadata(args.q_heads, args.kv_heads), op_rows, vllm_rows)
+    command = shlex.join(["tqgen", *args.argv])
+    document = bench.payload(rows, ceiling, bench.run_metadata(args.q_heads, args.kv_heads, command, configs), op_rows,
+                             vllm_rows)
     if args.json:
         try:
             bench.write_json(args.json, document)
@@ -457,6 +460,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line, as bench's JSON records it
     try:
         return args.run(args)
     except TqgenError as exc:
