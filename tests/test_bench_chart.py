@@ -262,3 +262,21 @@ def test_bench_tables_take_the_cache_layout_from_the_run_not_the_name():
                 "kv_heads": 8, "configs": {config.name: config.to_dict()}}
     document = bench.payload([_decode_row(config.name, 32, 8192, 3000.0)], 4200.0, metadata)
     assert bench_tables.tables([document]).count("### k3v4, planes (k3v4-d128)") == 1
+
+
+def test_bench_tables_label_store_rows_of_other_kv_head_counts():
+    # A store of 65536 tokens over 32 KV heads moves 4x the bytes of one over 8: its row must not read as the same
+    # shape (decode keeps a table per head count; store and dequantize rows share one table).
+    import bench_tables
+
+    documents = []
+    for kv_heads, us in ((8, 100.0), (32, 400.0)):
+        row = bench.OpRow(config="k3v4-d128", op="store", shape="65536 tokens", graph_us=us, nbytes=1, gbps=1.0,
+                          ceiling_pct=40.0)
+        metadata = {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "date": "2026-12-06",
+                    "q_heads": 32, "kv_heads": kv_heads}
+        documents.append(bench.payload([], 4200.0, metadata, [row]))
+    labels = [line.split("|")[1:4] for line in bench_tables.tables(documents).splitlines()
+              if line.startswith("| k3v4-d128 | store")]
+    assert len(labels) == 2 and labels[0] != labels[1], labels
+    assert "| 65536 tokens, 32 KV heads | 400.0 |" in bench_tables.tables(documents)

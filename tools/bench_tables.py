@@ -26,8 +26,9 @@ def tables(documents: list[dict]) -> str:
                     f"{meta['q_heads']}/{meta['kv_heads']} heads, copy ceiling {document['copy_ceiling_gbps']:.0f} GB/s")
         for row in document["rows"]:  # a table per config and head count: rows of other head counts are not comparable
             decode[row["config"], meta["q_heads"], meta["kv_heads"]].append(row)
-        for row in document.get("op_rows", []):
-            ops[row["config"]].append(row)
+        for row in document.get("op_rows", []):  # their bytes scale with the KV heads: a run of other heads says so
+            heads = "" if meta["kv_heads"] == 8 else f", {meta['kv_heads']} KV heads"
+            ops[row["config"]].append({**row, "shape": row["shape"] + heads})
 
     def layout(config):
         return layouts.get(config, "planes" if config.endswith("planes") else "slots")
