@@ -119,7 +119,7 @@ def _timed_decode(monkeypatch, *, plain_ms, graph_ms, sdpa_ms, batch=2, context=
     graph_times = [graph_ms, 3 * graph_ms, 2 * graph_ms, sdpa_ms]
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph",
                         lambda fn, **k: sdpa_outputs.append(fn()) or graph_times.pop(0))
-    config = types.SimpleNamespace(name="k3v4-d128")
+    config = types.SimpleNamespace(name="k3v4-d128", output_dtype="auto")
     row = bench.bench_decode(module, config, batch, context, ceiling_gbps=4000.0, num_q_heads=q_heads,
                              num_kv_heads=kv_heads, device="cpu")
     return row, sdpa_outputs[-1]
@@ -220,7 +220,7 @@ def test_bytes_leave_out_the_padding_that_rounds_a_slot_up_to_even(monkeypatch):
     assert row.gbps == pytest.approx((batch * kv_heads * context * 69 + query_and_out) / 100e-6 / 1e9)
 
     module, config = _stub_module(70, 69), types.SimpleNamespace(name="k3v4-d72", head_dim=head_dim, block_size=16,
-                                                                  cache_layout="slots")
+                                                                  cache_layout="slots", output_dtype="auto")
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **k: 0.5)
     store = bench.bench_store(module, config, 32, ceiling_gbps=1000.0, num_kv_heads=kv_heads, device="cpu")
     assert store.nbytes == 2 * 32 * kv_heads * head_dim * 2 + 32 * kv_heads * 69
@@ -280,3 +280,25 @@ def test_bench_tables_label_store_rows_of_other_kv_head_counts():
               if line.startswith("| k3v4-d128 | store")]
     assert len(labels) == 2 and labels[0] != labels[1], labels
     assert "| 65536 tokens, 32 KV heads | 400.0 |" in bench_tables.tables(documents)
+
+
+def test_decode_of_a_config_with_an_output_dtype_is_timed(build_module, monkeypatch):
+    # A config's output_dtype sets what decode writes: bench's out buffer must be of that dtype (decode refuses any
+    # other), and its bytes count as that dtype's.
+    import torch
+    import triton.testing
+
+    from conftest import INTERPRET, make_config
+
+    if not INTERPRET:
+        pytest.skip("runs the kernel under the interpreter (the timer is a stand-in)")
+    config = make_config("k8v4", head_dim=64, output_dtype="float32")
+    module = build_module(config)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Test GPU")
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **k: 0.5)
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **k: 0.5)
+    batch, context, q_heads, kv_heads = 1, 16, 2, 1
+    row = bench.bench_decode(module, config, batch, context, ceiling_gbps=1000.0, num_q_heads=q_heads,
+                             num_kv_heads=kv_heads, device="cpu")
+    nbytes = batch * kv_heads * context * bench.token_bytes(module) + batch * q_heads * 64 * (2 + 4)
+    assert row.gbps == pytest.approx(nbytes / 0.5e-3 / 1e9)

@@ -105,7 +105,7 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
 
     problem = random_problem(module, config, batch, context, num_q_heads, num_kv_heads, device)
     cache, block_table, seq_lens, query = (problem[k] for k in ("cache", "block_table", "seq_lens", "query"))
-    out = torch.empty_like(query)
+    out = decode_output(config, query)
     group_size = num_q_heads // num_kv_heads
     used = dict(zip(LAUNCH_FIELDS, module.decode_launch(batch, num_kv_heads, group_size, context, cache.device)))
     heuristic = dict(zip(LAUNCH_FIELDS, module.decode_launch_defaults(batch, num_kv_heads, group_size, context,
@@ -153,6 +153,12 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
     )
 
 
+def decode_output(config: Config, query: torch.Tensor) -> torch.Tensor:
+    """An out buffer for decode: in the config's output dtype ("auto": the query's)."""
+    dtype = query.dtype if config.output_dtype == "auto" else getattr(torch, config.output_dtype)
+    return torch.empty_like(query, dtype=dtype)
+
+
 def sdpa_call(query: torch.Tensor, num_kv_heads: int, context: int):
     """A call of torch SDPA decode of the query over a dense fp16 cache of `context` tokens (the baseline)."""
     batch, _, head_dim = query.shape
@@ -193,7 +199,7 @@ def bench_vllm_decode(module: ModuleType, config: Config, batch: int, context: i
     num_splits = min(module.decode_launch(batch, num_kv_heads, group_size, block_table.shape[1] * config.block_size,
                                           cache.device)[3], max_num_kv_splits)
     workspace = module.DecodeWorkspace(batch, num_q_heads, num_splits, device)
-    out = torch.empty_like(query)
+    out = decode_output(config, query)
 
     def module_decode():
         module.decode(query, cache, block_table, seq_lens, out=out, workspace=workspace, num_splits=num_splits,
