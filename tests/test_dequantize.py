@@ -135,3 +135,21 @@ def test_rotated_keys_are_returned_before_the_unrotation(device, build_module, m
     assert torch.equal(rotated_values, values) and torch.equal(half, rotated.to(torch.float16))
     rotation = module.default_rotation(device)
     torch.testing.assert_close(rotated @ rotation.t(), keys, rtol=1e-4, atol=1e-5)
+
+
+def test_outputs_of_2_to_the_31_elements_are_written_where_they_belong(device, build_module, monkeypatch):
+    """The kernel's output offsets are int64: at 17 KV heads x 2**20 positions x 128 the last head starts at element
+    2**31, which an int32 product (kv_head * head stride) wrapped to before the buffer (a segfault on the CPU). Only
+    the first tile of each (sequence, head) is launched: the rest of the two 4.25 GiB outputs is never touched."""
+    config = make_config("k3v4")
+    module = build_module(config)
+    heads = 17
+    batch, cache = stored_cache(module, config, [20], device, num_kv_heads=heads)
+    want_keys, want_values = module.dequantize(cache, batch.block_table, batch.seq_lens, max_len=32)
+    launch = module._launch
+    monkeypatch.setattr(module, "_launch", lambda kernel, grid, *args, **constants: launch(
+        kernel, (1, *grid[1:]), *args, **constants))
+    max_len = (1 << 31) // ((heads - 1) * config.head_dim)
+    keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, max_len=max_len)
+    assert keys[0, -1].data_ptr() - keys.data_ptr() == 2**31 * keys.element_size()
+    assert torch.equal(keys[:, :, :32], want_keys) and torch.equal(values[:, :, :32], want_values)
