@@ -375,6 +375,19 @@ def test_make_cache_refuses_bad_sizes_in_one_line(build_module, num_blocks, num_
         module.make_cache(num_blocks, num_kv_heads, "cpu")
 
 
+@pytest.mark.parametrize("sizes, max_q_len, named", [((2, 8, 0), 1, "max_splits must be a positive int"),
+                                                     ((2, 8, 4), 0, "max_q_len must be a positive int"),
+                                                     ((-1, 8, 4), 1, "max_batch must be a non-negative int"),
+                                                     ((2, -8, 4), 1, "num_q_heads"), ((2, 8, 4.0), 1, "max_splits")])
+def test_a_workspace_refuses_bad_sizes_in_one_line(build_module, sizes, max_q_len, named):
+    """max_splits 0 was taken, and each decode with it refused as a num_splits of 0 the call never passed; a negative
+    size failed in torch.empty without naming it."""
+    module = build_module(make_config("k3v4"))
+    with pytest.raises(module.LaunchError, match=f"^DecodeWorkspace: {named}"):
+        module.DecodeWorkspace(*sizes, device="cpu", max_q_len=max_q_len)
+    module.DecodeWorkspace(0, 8, 1, "cpu")  # no sequence yet (vllm.py's placeholder): taken
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_workspace_buffer_replaced_after_a_call_is_checked_again(make_ctx, device, preset):
     """decode keeps its checks of a workspace's buffers for the buffer objects it checked: a buffer replaced by a
