@@ -312,6 +312,7 @@ ROWS = [
      "block_table", ()),
     ("dequantize-max_len_negative", call("dequantize", max_len=lambda c: -1), "max_len", ()),
     ("dequantize-max_len_float", call("dequantize", max_len=lambda c: 20.0), "max_len", ()),
+    ("dequantize-max_len_bool", call("dequantize", max_len=lambda c: True), "max_len", ()),  # was taken as 1
     ("dequantize-dtype_int32", call("dequantize", dtype=lambda c: torch.int32), "dtype", ()),
     ("dequantize-block_t_0", call("dequantize", block_t=lambda c: 0), "block_t", ()),
     ("dequantize-block_t_48", call("dequantize", block_t=lambda c: 48), "block_t", ()),
@@ -503,6 +504,20 @@ def test_seq_len_zero_entries(make_ctx, device, preset):
     none = torch.zeros(2, dtype=torch.int32, device=device)
     assert torch.all(_decode(ctx, ctx.table, none) == 0)
     keys, _ = ctx.module.dequantize(ctx.cache, ctx.table, none, **ctx.codebook)
+    assert keys.shape == (2, KV_HEADS, 0, ctx.config.head_dim)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_validate_false_with_negative_seq_lens(make_ctx, device, preset):
+    """With validate=False a negative seq_len is an empty sequence: dequantize gives it zeros, and max_len
+    defaults to the longest of the others (it refused the call, naming a max_len the caller never passed)."""
+    ctx = make_ctx(preset)
+    lens = torch.tensor([-3, 5], dtype=torch.int32, device=device)
+    keys, values = ctx.module.dequantize(ctx.cache, ctx.table, lens, validate=False, **ctx.codebook)
+    good, good_values = ctx.module.dequantize(ctx.cache, ctx.table, ctx.lens, max_len=5, **ctx.codebook)
+    assert keys.shape[2] == 5 and torch.all(keys[0] == 0) and torch.all(values[0] == 0)
+    assert torch.equal(keys[1], good[1]) and torch.equal(values[1], good_values[1])
+    keys, _ = ctx.module.dequantize(ctx.cache, ctx.table, -lens.abs(), validate=False, **ctx.codebook)
     assert keys.shape == (2, KV_HEADS, 0, ctx.config.head_dim)
 
 
