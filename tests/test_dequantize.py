@@ -150,6 +150,11 @@ def test_outputs_of_2_to_the_31_elements_are_written_where_they_belong(device, b
     monkeypatch.setattr(module, "_launch", lambda kernel, grid, *args, **constants: launch(
         kernel, (1, *grid[1:]), *args, **constants))
     max_len = (1 << 31) // ((heads - 1) * config.head_dim)
-    keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, max_len=max_len)
+    try:
+        keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, max_len=max_len)
+    except (RuntimeError, MemoryError) as error:  # a machine that refuses 8.5 GiB of address space (not a GPU fault)
+        if "alloc" not in str(error).lower() and not isinstance(error, MemoryError):
+            raise
+        pytest.skip(f"the two outputs' 8.5 GiB could not be allocated: {error}")
     assert keys[0, -1].data_ptr() - keys.data_ptr() == 2**31 * keys.element_size()
     assert torch.equal(keys[:, :, :32], want_keys) and torch.equal(values[:, :, :32], want_values)
