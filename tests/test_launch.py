@@ -128,6 +128,24 @@ def test_tritons_settings_are_part_of_the_key(k3v4, monkeypatch):
         assert k3v4._triton_settings() is None
 
 
+@pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
+    "_triton_settings reads triton.knobs.compilation.instrumentation_mode unguarded; triton 3.4 and 3.5 have "
+    "triton.knobs (so _FAST_LAUNCH is on) but no such knob: every launch off the interpreter raises"))
+def test_tritons_settings_read_on_triton_3_4_and_3_5(k3v4, monkeypatch):
+    """Triton 3.4 and 3.5 (torch 2.8's and 2.9's; pyproject allows triton >= 3.2) have triton.knobs, so _launch
+    takes its direct path there, but their compilation knobs have no instrumentation_mode (nor
+    fpsan_homomorphic_casts) and their launch path adds only knobs.runtime.debug to the options (runtime/jit.py,
+    JITFunction.run). _triton_settings must give the settings that triton has, not raise on every launch."""
+    import triton
+
+    if not hasattr(triton, "knobs"):
+        pytest.skip("triton < 3.4 has no knobs: _launch always takes triton's path there")
+    monkeypatch.setattr(triton.knobs, "compilation", types.SimpleNamespace())  # 3.4's and 3.5's, as read here
+    plain = k3v4._triton_settings()
+    monkeypatch.setattr(triton.knobs.runtime, "debug", True)
+    assert plain is not None and k3v4._triton_settings() not in (plain, None)
+
+
 def test_cdiv_and_next_power_of_2_match_triton(k3v4):
     import triton
 
