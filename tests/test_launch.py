@@ -128,9 +128,6 @@ def test_tritons_settings_are_part_of_the_key(k3v4, monkeypatch):
         assert k3v4._triton_settings() is None
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
-    "_triton_settings reads triton.knobs.compilation.instrumentation_mode unguarded; triton 3.4 and 3.5 have "
-    "triton.knobs (so _FAST_LAUNCH is on) but no such knob: every launch off the interpreter raises"))
 def test_tritons_settings_read_on_triton_3_4_and_3_5(k3v4, monkeypatch):
     """Triton 3.4 and 3.5 (torch 2.8's and 2.9's; pyproject allows triton >= 3.2) have triton.knobs, so _launch
     takes its direct path there, but their compilation knobs have no instrumentation_mode (nor
