@@ -500,41 +500,41 @@ def _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_di
     return _hold_view("workspace", mid_o_buf, view_key, workspace)
 
 
-# decode's split counters (DecodeWorkspace.split_counters) of each of vLLM's mid_o_buf addresses, by (device, address):
-# never freed, since a CUDA graph keeps their address (a buffer object replaced in _buffer_views must not take its
-# counters with it), and kept apart per buffer, since buffers of calls that may run at once (two streams) differ.
+# Tensors of tqgen's own for each of vLLM's mid_o_buf addresses, by (device, address): decode's split counters
+# (DecodeWorkspace.split_counters), and the rotated queries of the buffers with no room for them (at the full split
+# count). Never freed, since a CUDA graph keeps their address and writes them on every replay (a buffer object
+# replaced in _buffer_views must not take them with it), and kept apart per buffer, since buffers of calls that may
+# run at once (two streams) differ.
 _split_counter_store: dict = {}
-_outgrown_split_counters: list = []  # those replaced by larger ones for a larger buffer at the same address
-# Likewise the rotated queries (DecodeWorkspace.query) of the mid_o_buf addresses that have no room for them (at the
-# full split count): a CUDA graph captured over a held workspace writes its query on every replay.
 _query_store: dict = {}
-_outgrown_queries: list = []
+_outgrown_kept: list = []  # those replaced by larger ones for a larger buffer at the same address
+
+
+def _kept_for_buffer(store, mid_o_buf, numel, make, device):
+    """store's tensor of at least numel elements for mid_o_buf's address on device, made by make(numel) the first
+    time (and again, larger, for a larger buffer at that address)."""
+    key = (device, mid_o_buf.data_ptr())
+    kept = store.get(key)
+    if kept is None or kept.numel() < numel:
+        if kept is not None:
+            _outgrown_kept.append(kept)
+        kept = store[key] = make(numel)
+    return kept
 
 
 def _split_counters(mid_o_buf, device):
     """Int32 zeros for decode's merge in stage 1, one per row of mid_o_buf's first two dims, for every call over
     that buffer's memory (each call leaves them zero). vLLM's buffers hold whatever they held before: these are
     tqgen's."""
-    key = (device, mid_o_buf.data_ptr())
-    rows = mid_o_buf.shape[0] * mid_o_buf.shape[1]
-    counters = _split_counter_store.get(key)
-    if counters is None or counters.numel() < rows:
-        if counters is not None:
-            _outgrown_split_counters.append(counters)
-        counters = _split_counter_store[key] = torch.zeros(rows, dtype=torch.int32, device=device)
-    return counters
+    return _kept_for_buffer(_split_counter_store, mid_o_buf, mid_o_buf.shape[0] * mid_o_buf.shape[1],
+                            lambda rows: torch.zeros(rows, dtype=torch.int32, device=device), device)
 
 
 def _kept_query(mid_o_buf, batch, num_q_heads, head_dim, device):
     """An fp16 [batch, num_q_heads, head_dim] rotated query for every call over mid_o_buf's memory that has no room
-    for it: one tensor per address, for the rows of mid_o_buf's first two dims (_split_counters)."""
-    key = (device, mid_o_buf.data_ptr())
-    size = mid_o_buf.shape[0] * mid_o_buf.shape[1] * head_dim
-    kept = _query_store.get(key)
-    if kept is None or kept.numel() < size:
-        if kept is not None:
-            _outgrown_queries.append(kept)
-        kept = _query_store[key] = torch.empty(size, dtype=torch.float16, device=device)
+    for it: one tensor per address, for the rows of mid_o_buf's first two dims."""
+    kept = _kept_for_buffer(_query_store, mid_o_buf, mid_o_buf.shape[0] * mid_o_buf.shape[1] * head_dim,
+                            lambda size: torch.empty(size, dtype=torch.float16, device=device), device)
     return kept[:batch * num_q_heads * head_dim].view(batch, num_q_heads, head_dim)
 
 
