@@ -170,6 +170,36 @@ def test_cpu_tensors_take_no_device_switch(build_module, monkeypatch, spec):
     assert cuda.queries == 0 and cuda.switches == []
 
 
+@pytest.mark.skipif(not INTERPRET, reason="CPU kernels need TRITON_INTERPRET=1")
+def test_a_call_spread_over_two_devices_is_refused_naming_the_argument_alike(build_module):
+    """The CPU counterpart of the two-GPU refusal test below, a "meta" tensor standing in for one on the
+    other GPU: every argument on another device than the cache, a workspace buffer among them, is refused
+    in the same words, `<fn>: <argument> is on <device>, expected <the cache's device> like the cache`."""
+    config = make_config("k3v4")
+    module = build_module(config)
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    batch = paged_batch(config, [20, 5], KV_HEADS, generator=torch.Generator().manual_seed(0))
+    cache = module.make_cache(batch.num_blocks, KV_HEADS, cpu)
+    query = torch.randn(2, KV_HEADS * GROUP, config.head_dim)
+    table, lens = batch.block_table, batch.seq_lens
+    rotation_elsewhere = torch.empty(config.head_dim, config.head_dim, device=meta)
+    calls = {
+        "store: key is on meta": lambda: module.store(batch.key.to(meta), batch.value, cache, batch.slot_mapping),
+        "store: slot_mapping is on meta": lambda: module.store(batch.key, batch.value, cache,
+                                                               batch.slot_mapping.to(meta)),
+        "decode: query is on meta": lambda: module.decode(query.to(meta), cache, table, lens),
+        "decode: seq_lens is on meta": lambda: module.decode(query, cache, table, lens.to(meta)),
+        "decode: rotation is on meta": lambda: module.decode(query, cache, table, lens, rotation=rotation_elsewhere),
+        "decode: workspace.partial_out is on meta": lambda: module.decode(
+            query, cache, table, lens, workspace=module.DecodeWorkspace(2, KV_HEADS * GROUP, 8, meta)),
+        "dequantize: block_table is on meta": lambda: module.dequantize(cache, table.to(meta), lens),
+    }
+    for message, call in calls.items():
+        with pytest.raises(module.LaunchError) as caught:
+            call()
+        assert str(caught.value) == f"{message}, expected cpu like the cache"
+
+
 # --------------------------------------------------------------------------
 # CPU: per-device caches, keyed by the device index
 # --------------------------------------------------------------------------
