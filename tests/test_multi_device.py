@@ -200,6 +200,53 @@ def test_a_call_spread_over_two_devices_is_refused_naming_the_argument_alike(bui
         assert str(caught.value) == f"{message}, expected cpu like the cache"
 
 
+def test_vllm_drop_ins_work_with_the_cache_s_device_current(monkeypatch):
+    """tqgen.vllm's entry points, cache on cuda:1 with cuda:0 current, as in a CUDA graph captured on cuda:1 while
+    cuda:0 is current: torch.cuda.is_current_stream_capturing asks the current device's stream, and the drop-ins'
+    own work before the module's launcher (the codebook checks and copies, which must not read values on the host
+    in a capture, nor be kept from one) must see that capture. So from the first lookup on, each call runs with the
+    cache's device current (cuda:0 current again after it, also when it raises), and with it current already it
+    switches nothing."""
+    from tqgen import vllm
+
+    cuda = FakeCurrentDevice(current=0).install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: cuda.current == 1)  # captured on cuda:1
+    seen = []
+
+    def module_lookup(fn, device, *arguments):
+        seen.append((fn, cuda.current, torch.cuda.is_current_stream_capturing()))
+        raise vllm.VllmArgumentError(f"{fn}: no module here")
+
+    monkeypatch.setattr(vllm, "_module", module_lookup)
+    cache = torch.Tensor._make_subclass(ReportsCuda, torch.zeros(4, 16, KV_HEADS, 134, dtype=torch.uint8))
+    cache.reported_index = 1
+    table, lens, codebook = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.eye(128)
+    key, k_out = torch.zeros(1, KV_HEADS, 128), torch.zeros(1, KV_HEADS, 32, 128, dtype=torch.float16)
+    arguments = vllm.preset_arguments("turboquant_4bit_nc", 128)
+    calls = {
+        "triton_turboquant_decode_attention": lambda: vllm.triton_turboquant_decode_attention(
+            torch.zeros(1, KV_HEADS * GROUP, 128), cache, table, lens, codebook, torch.zeros(16), 0.1, **arguments),
+        "triton_turboquant_store": lambda: vllm.triton_turboquant_store(
+            key, key, cache, torch.zeros(1, dtype=torch.int64), codebook, torch.zeros(15), 4, 66, 4),
+        "_tq_full_dequant_kv": lambda: vllm._tq_full_dequant_kv[(32, KV_HEADS)](
+            cache, table, torch.zeros(16), k_out, k_out.clone(), *k_out.stride()[:3], *k_out.stride()[:3],
+            *cache.stride()[:3], table.stride(0), HEAD_DIM=128, BLOCK_SIZE=16, NUM_KV_HEADS=KV_HEADS, MSE_BYTES=64,
+            KPS=66, VQB=4, VAL_DATA_BYTES=64, MSE_BITS=4, KEY_FP8=0, BLOCK_D=128, NORM_CORRECTION=1),
+    }
+    for fn, call in calls.items():
+        with pytest.raises(vllm.VllmArgumentError, match=f"^{fn}: no module here$"):
+            call()
+        assert seen[-1] == (fn, 1, True), seen
+        assert cuda.current == 0
+    assert cuda.switches == [1] * len(calls)
+    cuda.current = 1  # the cache's device current already: no switch
+    for fn, call in calls.items():
+        with pytest.raises(vllm.VllmArgumentError, match=f"^{fn}: no module here$"):
+            call()
+        assert seen[-1] == (fn, 1, True)
+    assert cuda.switches == [1] * len(calls)
+
+
 # --------------------------------------------------------------------------
 # CPU: per-device caches, keyed by the device index
 # --------------------------------------------------------------------------

@@ -292,7 +292,23 @@ _constants: dict = {}
 
 
 def _capturing(tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of the current device: the drop-ins run with
+    their cache's device current (_device_switch), so that is the stream their tensors' work goes to."""
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _device_switch(kv_cache):
+    """torch.cuda.device(i) when kv_cache is on CUDA device i and another device is current, else None (as the
+    modules' launchers switch). Each drop-in runs inside it from its first step: torch.cuda.is_current_stream_capturing
+    and the current stream are the current device's, so a graph captured on cuda:1 while cuda:0 is current would go
+    unseen by _derive (a codebook check reading values on the host inside the capture, a copy made in the capture
+    kept for later calls). With the device current already: one query of the current device index, no context."""
+    if not isinstance(kv_cache, torch.Tensor):
+        return None
+    device = kv_cache.device
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return None
+    return torch.cuda.device(device.index)
 
 
 def _derive(kind, source, make, fresh_in_capture=False):
@@ -399,6 +415,13 @@ def triton_turboquant_decode_attention(query, kv_cache, block_table, seq_lens, P
     transposed, or any strides); block_table int32 [B, max_blocks]; seq_lens int32 [B]; Pi, PiT
     fp32 [D, D]; centroids fp32 [2**mse_bits] (unused for fp8 keys). lse_buf is not written.
     """
+    switch = _device_switch(kv_cache)
+    if switch is not None:  # another device is current: the same call with the cache's device current
+        with switch:
+            return triton_turboquant_decode_attention(
+                query, kv_cache, block_table, seq_lens, Pi, centroids, scale, mse_bits, key_packed_size,
+                value_quant_bits, key_fp8=key_fp8, norm_correction=norm_correction, PiT=PiT, mid_o_buf=mid_o_buf,
+                output_buf=output_buf, lse_buf=lse_buf, buf_holder=buf_holder, max_num_kv_splits=max_num_kv_splits)
     fn = "triton_turboquant_decode_attention"
     _check_rank(fn, "query", query, 3, "[batch, num_q_heads, head_dim]")
     _check_rank(fn, "kv_cache", kv_cache, 4, "[num_blocks, block_size, num_kv_heads, slot_bytes]")
@@ -573,6 +596,12 @@ def triton_turboquant_store(key, value, kv_cache, slot_mapping, PiT, midpoints, 
     """Quantize key, value [N, Hk, D] into kv_cache [num_blocks, block_size, Hk, slot] at slot_mapping [N]
     (block * block_size + position; negative entries skipped). PiT fp32 [D, D] and midpoints fp32
     [2**mse_bits - 1] (ascending) are unused for fp8 keys; kv_group_size changes nothing (module doc)."""
+    switch = _device_switch(kv_cache)
+    if switch is not None:  # another device is current: the same call with the cache's device current
+        with switch:
+            return triton_turboquant_store(key, value, kv_cache, slot_mapping, PiT, midpoints, mse_bits,
+                                           key_packed_size, value_quant_bits, key_fp8=key_fp8,
+                                           kv_group_size=kv_group_size)
     fn = "triton_turboquant_store"
     _check_rank(fn, "key", key, 3, "[num_tokens, num_kv_heads, head_dim]")
     _check_rank(fn, "kv_cache", kv_cache, 4, "[num_blocks, block_size, num_kv_heads, slot_bytes]")
@@ -661,6 +690,13 @@ _tq_full_dequant_kv_qgroup4 = _KernelLaunch(_full_dequant_kv_qgroup4)
 def _full_dequant(fn, grid, kv_cache, block_table, centroids, k_out, v_out, k_strides, v_strides, cache_strides,
                   block_table_stride, head_dim, block_size, num_kv_heads, mse_bytes, key_packed_size, value_bits,
                   value_bytes, mse_bits, key_fp8, norm_correction, fp8_e4b15):
+    switch = _device_switch(kv_cache)
+    if switch is not None:  # another device is current: the same call with the cache's device current
+        with switch:
+            return _full_dequant(fn, grid, kv_cache, block_table, centroids, k_out, v_out, k_strides, v_strides,
+                                 cache_strides, block_table_stride, head_dim, block_size, num_kv_heads, mse_bytes,
+                                 key_packed_size, value_bits, value_bytes, mse_bits, key_fp8, norm_correction,
+                                 fp8_e4b15)
     if not isinstance(grid, (tuple, list)) or not 1 <= len(grid) <= 3 or not all(isinstance(g, int) for g in grid):
         _refuse(fn, f"grid must be a tuple (positions, batch * NUM_KV_HEADS), got {grid!r}")
     positions, programs = grid[0], grid[1] if len(grid) > 1 else 1
