@@ -247,6 +247,26 @@ def test_vllm_drop_ins_work_with_the_cache_s_device_current(monkeypatch):
     assert cuda.switches == [1] * len(calls)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="CPU kernels need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("elsewhere", ["K_out_ptr", "V_out_ptr"])
+def test_vllm_dequantize_refuses_an_output_on_another_device_naming_it(elsewhere):
+    """vLLM's dequantize kernel writes K_out / V_out where the cache is: one on another device (a "meta" tensor
+    standing in for the other GPU) is refused before any work, naming it, not filled by a copy across devices."""
+    from tqgen import vllm
+
+    cache = torch.zeros(4, 16, KV_HEADS, 134, dtype=torch.uint8)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    outputs = {name: torch.zeros(1, KV_HEADS, 32, 128, dtype=torch.float16,
+                                 device="meta" if name == elsewhere else "cpu") for name in ("K_out_ptr", "V_out_ptr")}
+    k_out, v_out = outputs["K_out_ptr"], outputs["V_out_ptr"]
+    with pytest.raises(vllm.VllmArgumentError) as refusal:
+        vllm._tq_full_dequant_kv[(32, KV_HEADS)](
+            cache, table, torch.zeros(16), k_out, v_out, *k_out.stride()[:3], *v_out.stride()[:3],
+            *cache.stride()[:3], table.stride(0), HEAD_DIM=128, BLOCK_SIZE=16, NUM_KV_HEADS=KV_HEADS, MSE_BYTES=64,
+            KPS=66, VQB=4, VAL_DATA_BYTES=64, MSE_BITS=4, KEY_FP8=0, BLOCK_D=128, NORM_CORRECTION=1)
+    assert str(refusal.value) == f"_tq_full_dequant_kv: {elsewhere} is on meta, expected cpu like KV_cache_ptr"
+
+
 # --------------------------------------------------------------------------
 # CPU: per-device caches, keyed by the device index
 # --------------------------------------------------------------------------

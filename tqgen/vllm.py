@@ -728,8 +728,8 @@ def _full_dequant(fn, grid, kv_cache, block_table, centroids, k_out, v_out, k_st
                 f"{block_table.shape[0]} rows")
     # Refused before any work: what vLLM's kernel writes, K and V of every position, through the given strides.
     shape = (batch, num_kv_heads, positions, head_dim)
-    k_out = _output_view(fn, "K_out_ptr", k_out, shape, k_strides)
-    v_out = _output_view(fn, "V_out_ptr", v_out, shape, v_strides)
+    k_out = _output_view(fn, "K_out_ptr", k_out, shape, k_strides, kv_cache.device)
+    v_out = _output_view(fn, "V_out_ptr", v_out, shape, v_strides, kv_cache.device)
     seq_lens = torch.full((batch,), positions, dtype=torch.int32, device=kv_cache.device)
     # Keys in the rotated domain, as vLLM's kernel returns them (its caller multiplies by the rotation).
     codebook = {} if key_fp8 else {"rotated_keys": True, "centroids": _centroids(fn, module, centroids)}
@@ -742,11 +742,14 @@ def _full_dequant(fn, grid, kv_cache, block_table, centroids, k_out, v_out, k_st
     v_out.copy_(values)
 
 
-def _output_view(fn, name, tensor, shape, strides):
+def _output_view(fn, name, tensor, shape, strides, device):
     """The view of an output tensor that vLLM's kernel writes: `shape` at (*strides, 1) from the tensor's start, which
-    must lie inside its storage."""
+    must lie inside its storage, on the cache's device (vLLM's kernel writes it there; a copy across devices would
+    hide a caller's mistake)."""
     if not isinstance(tensor, torch.Tensor):
         _refuse(fn, f"{name} must be a tensor, got {type(tensor).__name__}")
+    if tensor.device != device:
+        _refuse(fn, f"{name} is on {tensor.device}, expected {device} like KV_cache_ptr")
     try:
         return tensor.as_strided(shape, (*strides, 1), tensor.storage_offset())
     except RuntimeError:  # out of the storage's bounds (or a negative stride)
