@@ -234,6 +234,48 @@ def test_calls_through_the_dispatcher_match_the_variant_bit_for_bit(built, prese
         tq.decode(query[..., :64], caches[0], block_table, seq_lens)
 
 
+class ReportsDevice(torch.Tensor):
+    """A CPU tensor that reports another device (`reported`): what the launchers' device checks read."""
+
+    @property
+    def device(self):
+        return self.reported
+
+
+def reporting(tensor, device):
+    tensor = torch.Tensor._make_subclass(ReportsDevice, tensor)
+    tensor.reported = torch.device(device)
+    return tensor
+
+
+def test_a_call_spread_over_gpus_of_two_archs_is_refused_naming_the_argument(built, fresh_import, monkeypatch):
+    """An H200 (cuda:0) and an A100 (cuda:1) in one process, and a launcher given a cache on cuda:1 with another
+    tensor on cuda:0: the call runs in the variant for the cache's device, whatever its argument order, and is
+    refused as a call spread over two devices, naming the argument. (In the variant for the query's or key's
+    device, sm90, whose fp8 keys need compute capability 8.9, the cache's device was refused instead, as too old
+    for a module "built for sm90", with the advice to rebuild with arch: auto.)"""
+    tq = fresh_import(built["k8v4"].path)
+    fake_capabilities(monkeypatch, {0: (9, 0), 1: (8, 0)})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # the cache's device: no device switch
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    cache = reporting(torch.zeros(4, 2, tq.PAGE_BYTES, dtype=torch.uint8), cuda1)
+    table = reporting(torch.zeros(2, 2, dtype=torch.int32), cuda1)
+    lens = reporting(torch.ones(2, dtype=torch.int32), cuda1)
+    query = reporting(torch.zeros(2, 8, 128, dtype=torch.float16), cuda0)
+    key = reporting(torch.zeros(3, 2, 128, dtype=torch.float16), cuda0)
+    slots = reporting(torch.zeros(3, dtype=torch.int64), cuda1)
+    calls = {
+        "decode: query": lambda: tq.decode(query, cache, table, lens),
+        "decode_multi: query": lambda: tq.decode_multi(reporting(torch.zeros(2, 1, 8, 128), cuda0), cache, table, lens),
+        "decode_ragged: query": lambda: tq.decode_ragged(query, cache, table, lens, torch.arange(3), 1),
+        "store: key": lambda: tq.store(key, key, cache, slots),
+    }
+    for named, call in calls.items():
+        with pytest.raises(tq.LaunchError) as caught:
+            call()
+        assert str(caught.value) == f"{named} is on cuda:0, expected cuda:1 like the cache"
+
+
 # --------------------------------------------------------------------------
 # files that belong together
 # --------------------------------------------------------------------------

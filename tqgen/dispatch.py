@@ -9,8 +9,8 @@ device, so a call costs one dict lookup more than calling the variant.
 
 The dispatcher's API is derived from the rendered variants (`Api.of`), never kept by hand:
 - functions and classes are forwarded per call, to the variant for the device of the call's
-  `device` argument if it has one, else of its first argument if that is a tensor, else of the
-  current device (`Route`);
+  `device` argument if it has one, else of its `kv_cache` (the launchers run where the cache is),
+  else of its first argument if that is a tensor, else of the current device (`Route`);
 - exception classes are the sm80 variant's, installed in every variant, so that one
   `except tq.LaunchError` catches each variant's refusals;
 - constants defined alike in every variant are read from the sm80 variant (importing a module
@@ -64,8 +64,9 @@ class Variant:
 @dataclasses.dataclass(frozen=True)
 class Route:
     """How a forwarded function or class finds the device whose variant runs a call: by its `device`
-    argument ("device", with that argument's position and default), by its first argument ("tensor": the
-    tensor's device, else the current device), or by the current device ("current": no arguments)."""
+    argument ("device", with that argument's position and default), by its `kv_cache` argument, else its first
+    argument ("tensor": the tensor's device, else the current device), or by the current device ("current": no
+    arguments)."""
     name: str
     kind: str  # "function" or "class"
     by: str
@@ -103,6 +104,11 @@ def _route(name: str, kind: str, arguments: ast.arguments, skip_first: bool) -> 
             raise ValueError(f"{name}: the default of its device argument is not a literal") from None
         position = names.index("device") if "device" in names else None
         return Route(name, kind, "device", position, "device", value)
+    # A launcher runs where its cache is (it makes the cache's device current and checks every other tensor
+    # against it): routed by the query or key, a call spread over GPUs of two archs had the cache's device refused
+    # by the other device's variant as too old for it, rather than the misplaced argument named.
+    if "kv_cache" in names:
+        return Route(name, kind, "tensor", names.index("kv_cache"), "kv_cache")
     if names:
         return Route(name, kind, "tensor", 0, names[0])
     return Route(name, kind, "current")
