@@ -552,3 +552,97 @@ def test_launchers_on_the_current_gpu_enter_no_device_context(build_module, monk
     torch.cuda.synchronize()
     assert contexts == []
     assert module._device_switch(cache) is None
+
+
+def vllm_step_captured(cache_dtype, device, current, tmp_path, monkeypatch):
+    """A vLLM decode step (store the new tokens, decode) through tqgen.vllm's drop-ins on `device` with cuda:`current`
+    current throughout: warmed up, then captured on a stream of `device` with cuda:`current` made current again inside
+    the capture, with a codebook (PiT, midpoints, centroids) first seen there (fresh tensors, their values read on the
+    host by no call: a drop-in that missed the capture would read them there, which a capture refuses). Replayed
+    for new tokens, queries and lengths, it matches tqgen's reference."""
+    from tqgen import codebook as codebook_mod
+    from tqgen import vllm
+
+    monkeypatch.setenv("TQGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(vllm, "_modules", {})
+    monkeypatch.setattr(vllm, "_modules_by_config", {})
+    monkeypatch.setattr(vllm, "_layout", "slots")
+    head_dim, block_size, batch, width, context = 128, 16, 2, 4, 40
+    num_q_heads, num_blocks = KV_HEADS * GROUP, batch * width
+    arguments = vllm.preset_arguments(cache_dtype, head_dim)
+    key_bits = vllm.VLLM_PRESETS[cache_dtype][0]
+    generator = torch.Generator().manual_seed(7)
+
+    def tokens(count):
+        key = torch.randn(count, KV_HEADS, head_dim, generator=generator) * 2
+        if key_bits == 8:
+            key = key.to(torch.float8_e4m3fn).float()
+        return key.half().to(device), torch.randn(count, KV_HEADS, head_dim, generator=generator).half().to(device)
+
+    def slots_at(positions):  # the slot of position positions[b] of each sequence b
+        blocks = torch.arange(num_blocks, dtype=torch.int64).view(batch, width)
+        return blocks.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
+
+    with torch.cuda.device(current):
+        pi = codebook_mod.hadamard_matrix(head_dim).to(device)  # vLLM's PiT for a power-of-two head_dim
+        centroids = torch.tensor(codebook_mod.centroids(4 if key_bits == 8 else key_bits, head_dim), device=device)
+        midpoints = (centroids[1:] + centroids[:-1]) / 2
+        allocation = torch.zeros(num_blocks, KV_HEADS, block_size, vllm.slot_size_aligned(cache_dtype, head_dim),
+                                 dtype=torch.uint8, device=device)
+        cache = allocation.transpose(1, 2)
+        block_table = torch.arange(num_blocks, dtype=torch.int32, device=device).view(batch, width)
+        format_args = (arguments["mse_bits"], arguments["key_packed_size"], arguments["value_quant_bits"])
+        key, value = tokens(batch * context)
+        prefill = torch.cat([slots_at(torch.full((batch,), p)) for p in range(context)]).view(context, batch).t()
+        vllm.triton_turboquant_store(key, value, cache, prefill.flatten().to(device), pi, midpoints, *format_args,
+                                     key_fp8=arguments["key_fp8"])
+        step_key, step_value = tokens(batch)
+        step_slots = torch.full((batch,), -1, dtype=torch.int32, device=device)
+        query = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float16, device=device)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        mid_o_buf = torch.empty(batch, num_q_heads, 8, head_dim + 1, device=device)
+        output_buf = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float16, device=device)
+
+        def step(pit, mids, cents):
+            vllm.triton_turboquant_store(step_key, step_value, cache, step_slots, pit, mids, *format_args,
+                                         key_fp8=arguments["key_fp8"])
+            return vllm.triton_turboquant_decode_attention(
+                query, cache, block_table, seq_lens, pit, cents, head_dim**-0.5, PiT=pit, mid_o_buf=mid_o_buf,
+                output_buf=output_buf, max_num_kv_splits=8, **arguments)
+
+        step(pi, midpoints, centroids)  # builds the module and compiles the kernels on `device`, outside the capture
+        torch.cuda.synchronize(device)
+        fresh = (pi.clone(), midpoints.clone(), centroids.clone())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(device)):
+            with torch.cuda.device(current):
+                out = step(*fresh)
+        assert torch.cuda.current_device() == current and out.data_ptr() == output_buf.data_ptr()
+        config = make_config(TQGEN_VLLM_PRESET[cache_dtype], head_dim=head_dim)
+        for lengths in ([context + 1, context + 1], [context + 1, 9]):
+            new_key, new_value = tokens(batch)
+            step_key.copy_(new_key)
+            step_value.copy_(new_value)
+            lengths = torch.tensor(lengths)
+            step_slots.copy_(slots_at(lengths - 1))
+            seq_lens.copy_(lengths)
+            query.copy_(torch.randn(query.shape, generator=generator))
+            output_buf.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize(device)
+            codebook_args = (None, None) if key_bits == 8 else (pi.cpu(), centroids.cpu())
+            want = reference.decode(Layout.from_config(config), query.cpu(), cache.cpu(), block_table.cpu(),
+                                    seq_lens.cpu(), *codebook_args, head_dim**-0.5)
+            assert relative_error(output_buf.cpu(), want) < DECODE_TOLERANCE[torch.float16]
+
+
+TQGEN_VLLM_PRESET = {"turboquant_k3v4_nc": "k3v4", "turboquant_k8v4": "k8v4"}
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+@pytest.mark.parametrize("cache_dtype", sorted(TQGEN_VLLM_PRESET))
+def test_vllm_step_captured_on_the_second_gpu_while_the_first_is_current(cache_dtype, tmp_path, monkeypatch):
+    with torch.cuda.device(0):
+        vllm_step_captured(cache_dtype, torch.device("cuda", 1), 0, tmp_path, monkeypatch)
+        assert torch.cuda.current_device() == 0
