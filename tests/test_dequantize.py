@@ -158,3 +158,26 @@ def test_outputs_of_2_to_the_31_elements_are_written_where_they_belong(device, b
         pytest.skip(f"the two outputs' 8.5 GiB could not be allocated: {error}")
     assert keys[0, -1].data_ptr() - keys.data_ptr() == 2**31 * keys.element_size()
     assert torch.equal(keys[:, :, :32], want_keys) and torch.equal(values[:, :, :32], want_values)
+
+
+def test_a_captured_dequantize_needs_max_len_and_reads_no_seq_lens(build_module, monkeypatch):
+    """max_len=None takes max(seq_lens), read on the host: inside a CUDA-graph capture that read is refused by CUDA
+    (and its value would be baked into the graph's output shape and grid, wrong for a replay with longer sequences).
+    A captured call without max_len is refused in one line naming it, before anything is read; with max_len it
+    runs as outside a capture."""
+    config = make_config("k3v4")
+    module = build_module(config)
+    device = "cpu"
+    batch, cache = stored_cache(module, config, [20, 7], device)
+    want_keys, want_values = module.dequantize(cache, batch.block_table, batch.seq_lens, max_len=24)
+    monkeypatch.setattr(module, "_capturing", lambda tensor: True)  # a capture, as the CPU can stand in for one
+
+    class Unreadable(torch.Tensor):  # seq_lens whose values cannot be read on the host, as in a capture
+        def max(self, *args, **kwargs):
+            raise AssertionError("seq_lens read on the host while capturing")
+
+    seq_lens = batch.seq_lens.as_subclass(Unreadable)
+    with pytest.raises(module.LaunchError, match=r"^dequantize: .*max_len"):
+        module.dequantize(cache, batch.block_table, seq_lens)
+    keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, max_len=24)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
