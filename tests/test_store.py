@@ -631,3 +631,40 @@ def test_keys_stored_on_the_tensor_cores_match_the_reference_and_skip_what_they_
     kept = batch.slot_mapping[inside & (batch.slot_mapping >= 0)].cpu()
     unused = sorted(set(range(batch.num_blocks)) - set((kept // config.block_size).tolist()))
     assert unused and torch.all(cache[unused].cpu() == SENTINEL)
+
+
+@pytest.mark.parametrize("layout", ["slots", "planes"])
+def test_boundaries_made_in_a_cuda_graph_capture_are_not_kept_for_later_stores(build_module, monkeypatch, layout):
+    """The default centroids' decision boundaries are kept per device for later stores. Made by a store captured in a
+    CUDA graph (the engine's first store of the default codebook), they are the output of kernels the capture
+    recorded and ran none of: nothing until that graph replays. Kept, every eager store (and every other graph) coded
+    its keys against them. Here the capture's kernels write NaN, as memory a capture never filled holds anything: the
+    eager store after it must write the bytes of a store given the boundaries themselves, and a later capture those
+    the eager store kept."""
+    config = make_config("k3v4", cache_layout=layout)
+    module = build_module(config)
+    device = "cpu"
+    monkeypatch.setattr(module, "_per_device", {})  # nothing kept yet
+    centroids = module.default_centroids(device)  # made outside the capture, as an engine's warm-up decode makes it
+    capturing = [True]
+    monkeypatch.setattr(module, "_capturing", lambda tensor: capturing[0])
+    decision_boundaries = module.decision_boundaries
+
+    def recorded(centroid_values):  # what a capture leaves in the tensor its kernels would write
+        made = decision_boundaries(centroid_values)
+        return made.fill_(float("nan")) if capturing[0] else made
+
+    monkeypatch.setattr(module, "decision_boundaries", recorded)
+    generator = torch.Generator().manual_seed(5)
+    key, value = torch.randn(6, 2, 128, generator=generator), torch.randn(6, 2, 128, generator=generator)
+    slots = torch.arange(6)
+    module.store(key, value, module.make_cache(1, 2, device), slots)  # captured
+    capturing[0] = False
+    eager, expected = module.make_cache(1, 2, device), module.make_cache(1, 2, device)
+    module.store(key, value, eager, slots)
+    module.store(key, value, expected, slots, boundaries=decision_boundaries(centroids))
+    assert torch.equal(eager, expected)
+    capturing[0] = True  # a later capture takes the boundaries the eager store kept
+    captured = module.make_cache(1, 2, device)
+    module.store(key, value, captured, slots)
+    assert torch.equal(captured, expected)
