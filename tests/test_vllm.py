@@ -416,6 +416,37 @@ def test_decode_views_of_vllms_buffers_are_built_once_per_buffer_and_shape(monke
 
 
 @pytest.mark.skipif(not INTERPRET, reason="a CPU test")
+def test_split_counters_first_made_in_a_cuda_graph_capture_are_not_kept(monkeypatch):
+    """The split counters kept per mid_o_buf address must be zeros for every call over it (decode's merge in stage 1
+    counts the finished splits in them and leaves them zero). Made by a call captured in a CUDA graph (vLLM's buffer
+    first passed back in a capture: its warm-up call allocated it), torch.zeros is a memset the graph holds and runs
+    only when it replays: kept, the counters were whatever memory the capture was given for every eager call and
+    every other graph before that replay, which then merged too early or never. Here the capture's memset leaves
+    7s: the eager calls after it, of the captured shape and another, must count in zeros, and a later capture in
+    the counters they kept."""
+    monkeypatch.setattr(vllm, "_buffer_views", {})
+    monkeypatch.setattr(vllm, "_split_counter_store", {})
+    cpu = torch.device("cpu")
+    module = vllm._module("test", cpu, 128, 16, False, 4, 66, 4, True)
+    mid_o_buf = torch.empty(4, 8, 4, 129)
+    capturing = [True]
+    monkeypatch.setattr(vllm, "_capturing", lambda tensor: capturing[0])
+
+    def workspace(batch):
+        return vllm._decode_workspace(module, mid_o_buf, None, batch, 8, 128, 3, 4, cpu, needs_query=True)
+
+    captured = workspace(3)
+    assert captured.split_counters.numel() >= 3 * 8 and not captured.split_counters.any()
+    captured.split_counters.fill_(7)  # the memset the capture recorded has not run
+    capturing[0] = False
+    for batch in (3, 2):
+        eager = workspace(batch)
+        assert eager.split_counters.numel() >= batch * 8 and not eager.split_counters.any()
+    capturing[0] = True
+    assert workspace(2).split_counters is eager.split_counters and workspace(1).split_counters is eager.split_counters
+
+
+@pytest.mark.skipif(not INTERPRET, reason="a CPU test")
 def test_a_rotated_query_of_its_own_outlives_the_views_of_its_buffer(monkeypatch):
     """At the full split count the rotated query has no room in mid_o_buf and gets a tensor of its own, which a CUDA
     graph captured over the buffer's workspace writes on every replay: like the split counters, it stays allocated

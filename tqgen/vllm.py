@@ -518,9 +518,13 @@ def _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_di
         counters = torch.zeros(batch * num_q_heads, dtype=torch.int32, device=device)  # this call's alone
         return _carve_workspace(module, mid_o_buf, counters, batch, num_q_heads, head_dim, num_splits, device,
                                 needs_query)
-    workspace = _carve_workspace(module, mid_o_buf, _split_counters(mid_o_buf, device), batch, num_q_heads, head_dim,
-                                 num_splits, device, needs_query, keep_query=True)
-    return _hold_view("workspace", mid_o_buf, view_key, workspace)
+    counters = _split_counters(mid_o_buf, device)
+    kept = counters is not None
+    if not kept:  # none kept yet, in a CUDA-graph capture: zeros of this call's own (the graph's), its view not held
+        counters = torch.zeros(batch * num_q_heads, dtype=torch.int32, device=device)
+    workspace = _carve_workspace(module, mid_o_buf, counters, batch, num_q_heads, head_dim, num_splits, device,
+                                 needs_query, keep_query=True)
+    return _hold_view("workspace", mid_o_buf, view_key, workspace) if kept else workspace
 
 
 # Tensors of tqgen's own for each of vLLM's mid_o_buf addresses, by (device, address): decode's split counters
@@ -548,9 +552,14 @@ def _kept_for_buffer(store, mid_o_buf, numel, make, device):
 def _split_counters(mid_o_buf, device):
     """Int32 zeros for decode's merge in stage 1, one per row of mid_o_buf's first two dims, for every call over
     that buffer's memory (each call leaves them zero). vLLM's buffers hold whatever they held before: these are
-    tqgen's."""
-    return _kept_for_buffer(_split_counter_store, mid_o_buf, mid_o_buf.shape[0] * mid_o_buf.shape[1],
-                            lambda rows: torch.zeros(rows, dtype=torch.int32, device=device), device)
+    tqgen's. None while a CUDA graph is captured and none that serve the buffer are kept: zeros made in a capture
+    are a memset that runs only when the graph replays, garbage to every other call until then."""
+    rows = mid_o_buf.shape[0] * mid_o_buf.shape[1]
+    if _capturing(mid_o_buf):
+        kept = _split_counter_store.get((device, mid_o_buf.data_ptr()))
+        return kept if kept is not None and kept.numel() >= rows else None
+    return _kept_for_buffer(_split_counter_store, mid_o_buf, rows,
+                            lambda size: torch.zeros(size, dtype=torch.int32, device=device), device)
 
 
 def _kept_query(mid_o_buf, batch, num_q_heads, head_dim, device):
