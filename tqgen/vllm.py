@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import math
 import os
 import weakref
@@ -299,16 +300,31 @@ def _capturing(tensor) -> bool:
 
 def _device_switch(kv_cache):
     """torch.cuda.device(i) when kv_cache is on CUDA device i and another device is current, else None (as the
-    modules' launchers switch). Each drop-in runs inside it from its first step: torch.cuda.is_current_stream_capturing
-    and the current stream are the current device's, so a graph captured on cuda:1 while cuda:0 is current would go
-    unseen by _derive (a codebook check reading values on the host inside the capture, a copy made in the capture
-    kept for later calls). With the device current already: one query of the current device index, no context."""
+    modules' launchers switch). With the device current already: one query of the current device index."""
     if not isinstance(kv_cache, torch.Tensor):
         return None
     device = kv_cache.device
     if device.type != "cuda" or device.index == torch.cuda.current_device():
         return None
     return torch.cuda.device(device.index)
+
+
+def _on_cache_device(function):
+    """Runs a drop-in with its `kv_cache` argument's device current from its first step: torch.cuda's
+    is_current_stream_capturing and current stream are the current device's, so a graph captured on cuda:1 while
+    cuda:0 is current would go unseen by _derive (a codebook check reading values on the host inside the capture, a
+    copy made in the capture kept for later calls)."""
+    position = list(inspect.signature(function).parameters).index("kv_cache")
+
+    @functools.wraps(function)
+    def on_cache_device(*args, **kwargs):
+        switch = _device_switch(args[position] if len(args) > position else kwargs.get("kv_cache"))
+        if switch is None:
+            return function(*args, **kwargs)
+        with switch:
+            return function(*args, **kwargs)
+
+    return on_cache_device
 
 
 def _derive(kind, source, make, fresh_in_capture=False):
@@ -405,6 +421,7 @@ def _check_rank(fn, name, tensor, ndim, shape):
         _refuse(fn, f"{name} must be {shape}, got {shown}")
 
 
+@_on_cache_device
 def triton_turboquant_decode_attention(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, mse_bits,
                                        key_packed_size, value_quant_bits, key_fp8=False, norm_correction=False,
                                        PiT=None, mid_o_buf=None, output_buf=None, lse_buf=None, buf_holder=None,
@@ -415,13 +432,6 @@ def triton_turboquant_decode_attention(query, kv_cache, block_table, seq_lens, P
     transposed, or any strides); block_table int32 [B, max_blocks]; seq_lens int32 [B]; Pi, PiT
     fp32 [D, D]; centroids fp32 [2**mse_bits] (unused for fp8 keys). lse_buf is not written.
     """
-    switch = _device_switch(kv_cache)
-    if switch is not None:  # another device is current: the same call with the cache's device current
-        with switch:
-            return triton_turboquant_decode_attention(
-                query, kv_cache, block_table, seq_lens, Pi, centroids, scale, mse_bits, key_packed_size,
-                value_quant_bits, key_fp8=key_fp8, norm_correction=norm_correction, PiT=PiT, mid_o_buf=mid_o_buf,
-                output_buf=output_buf, lse_buf=lse_buf, buf_holder=buf_holder, max_num_kv_splits=max_num_kv_splits)
     fn = "triton_turboquant_decode_attention"
     _check_rank(fn, "query", query, 3, "[batch, num_q_heads, head_dim]")
     _check_rank(fn, "kv_cache", kv_cache, 4, "[num_blocks, block_size, num_kv_heads, slot_bytes]")
@@ -539,13 +549,15 @@ _outgrown_kept: list = []  # those replaced by larger ones for a larger buffer a
 
 def _kept_for_buffer(store, mid_o_buf, numel, make, device):
     """store's tensor of at least numel elements for mid_o_buf's address on device, made by make(numel) the first
-    time (and again, larger, for a larger buffer at that address)."""
+    time (and again, larger, for a larger buffer at that address); with make None, the kept one or None."""
     key = (device, mid_o_buf.data_ptr())
     kept = store.get(key)
-    if kept is None or kept.numel() < numel:
-        if kept is not None:
-            _outgrown_kept.append(kept)
-        kept = store[key] = make(numel)
+    fits = kept is not None and kept.numel() >= numel
+    if fits or make is None:
+        return kept if fits else None
+    if kept is not None:
+        _outgrown_kept.append(kept)
+    kept = store[key] = make(numel)
     return kept
 
 
@@ -554,12 +566,8 @@ def _split_counters(mid_o_buf, device):
     that buffer's memory (each call leaves them zero). vLLM's buffers hold whatever they held before: these are
     tqgen's. None while a CUDA graph is captured and none that serve the buffer are kept: zeros made in a capture
     are a memset that runs only when the graph replays, garbage to every other call until then."""
-    rows = mid_o_buf.shape[0] * mid_o_buf.shape[1]
-    if _capturing(mid_o_buf):
-        kept = _split_counter_store.get((device, mid_o_buf.data_ptr()))
-        return kept if kept is not None and kept.numel() >= rows else None
-    return _kept_for_buffer(_split_counter_store, mid_o_buf, rows,
-                            lambda size: torch.zeros(size, dtype=torch.int32, device=device), device)
+    make = None if _capturing(mid_o_buf) else lambda size: torch.zeros(size, dtype=torch.int32, device=device)
+    return _kept_for_buffer(_split_counter_store, mid_o_buf, mid_o_buf.shape[0] * mid_o_buf.shape[1], make, device)
 
 
 def _kept_query(mid_o_buf, batch, num_q_heads, head_dim, device):
@@ -600,17 +608,12 @@ def _carve_workspace(module, mid_o_buf, split_counters, batch, num_q_heads, head
 
 
 # --- store -------------------------------------------------------------------------------------
+@_on_cache_device
 def triton_turboquant_store(key, value, kv_cache, slot_mapping, PiT, midpoints, mse_bits, key_packed_size,
                             value_quant_bits, key_fp8=False, kv_group_size=None):
     """Quantize key, value [N, Hk, D] into kv_cache [num_blocks, block_size, Hk, slot] at slot_mapping [N]
     (block * block_size + position; negative entries skipped). PiT fp32 [D, D] and midpoints fp32
     [2**mse_bits - 1] (ascending) are unused for fp8 keys; kv_group_size changes nothing (module doc)."""
-    switch = _device_switch(kv_cache)
-    if switch is not None:  # another device is current: the same call with the cache's device current
-        with switch:
-            return triton_turboquant_store(key, value, kv_cache, slot_mapping, PiT, midpoints, mse_bits,
-                                           key_packed_size, value_quant_bits, key_fp8=key_fp8,
-                                           kv_group_size=kv_group_size)
     fn = "triton_turboquant_store"
     _check_rank(fn, "key", key, 3, "[num_tokens, num_kv_heads, head_dim]")
     _check_rank(fn, "kv_cache", kv_cache, 4, "[num_blocks, block_size, num_kv_heads, slot_bytes]")
@@ -696,16 +699,10 @@ _tq_full_dequant_kv = _KernelLaunch(_full_dequant_kv)
 _tq_full_dequant_kv_qgroup4 = _KernelLaunch(_full_dequant_kv_qgroup4)
 
 
+@_on_cache_device
 def _full_dequant(fn, grid, kv_cache, block_table, centroids, k_out, v_out, k_strides, v_strides, cache_strides,
                   block_table_stride, head_dim, block_size, num_kv_heads, mse_bytes, key_packed_size, value_bits,
                   value_bytes, mse_bits, key_fp8, norm_correction, fp8_e4b15):
-    switch = _device_switch(kv_cache)
-    if switch is not None:  # another device is current: the same call with the cache's device current
-        with switch:
-            return _full_dequant(fn, grid, kv_cache, block_table, centroids, k_out, v_out, k_strides, v_strides,
-                                 cache_strides, block_table_stride, head_dim, block_size, num_kv_heads, mse_bytes,
-                                 key_packed_size, value_bits, value_bytes, mse_bits, key_fp8, norm_correction,
-                                 fp8_e4b15)
     if not isinstance(grid, (tuple, list)) or not 1 <= len(grid) <= 3 or not all(isinstance(g, int) for g in grid):
         _refuse(fn, f"grid must be a tuple (positions, batch * NUM_KV_HEADS), got {grid!r}")
     positions, programs = grid[0], grid[1] if len(grid) > 1 else 1
