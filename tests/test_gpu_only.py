@@ -85,6 +85,31 @@ def test_decode_captured_in_a_cuda_graph_replays_for_new_batch_contents(build_mo
         assert relative_error(out, want) < 1e-6
 
 
+@pytest.mark.parametrize("preset", ["k3v4", "k4v4"])
+def test_a_first_call_inside_a_cuda_graph_capture_is_refused_and_the_capture_ends_cleanly(build_module, monkeypatch,
+                                                                                         preset):
+    """A device's first call with the default codebook inside a capture, before any warm-up call, is refused before
+    it records anything (the default rotation and centroids are made by a host copy, which a capture would never
+    run): the capture then ends, and eager calls after it make the defaults and decode as before."""
+    config = make_config(preset)
+    module = build_module(config)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    cache = module.make_cache(4, 2, "cuda")
+    tokens = 4 * config.block_size
+    module.store(torch.randn(tokens, 2, 128, device="cuda", generator=generator),
+                 torch.randn(tokens, 2, 128, device="cuda", generator=generator), cache,
+                 torch.arange(tokens, device="cuda"))
+    query = torch.randn(2, 8, 128, device="cuda", generator=generator)
+    block_table = torch.arange(4, dtype=torch.int32, device="cuda").view(2, 2)
+    seq_lens = torch.tensor([30, 17], dtype=torch.int32, device="cuda")
+    expected = module.decode(query, cache, block_table, seq_lens)
+    monkeypatch.setattr(module, "_per_device", {})  # this device never called yet
+    with pytest.raises(module.LaunchError, match="is first needed inside a CUDA-graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            module.decode(query, cache, block_table, seq_lens)
+    assert torch.equal(module.decode(query, cache, block_table, seq_lens), expected)
+
+
 @pytest.mark.parametrize("num_splits", [None, 128])
 @pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3", "k8v4"])
 def test_small_batch_decode_gives_the_same_bits_on_every_call(build_module, preset, num_splits):

@@ -21,6 +21,7 @@ import torch
 from conftest import codebook_kwargs, make_config, planes_config, stored_cache
 from tqgen import reference
 from tqgen.layout import Layout
+from tqgen.plan import Plan
 from tqgen.testing import DECODE_TOLERANCE, paged_batch, relative_error
 
 PRESETS = ("k3v4", "k8v4")  # one MSE config, one fp8 config
@@ -725,3 +726,36 @@ def test_cpu_tensors_without_the_interpreter_at_import_get_one_line(tmp_path, wh
     assert [line.split(": ")[0] for line in lines] == ["store", "decode", "dequantize"], result.stdout
     hint = "set TRITON_INTERPRET=1 in the environment before Python starts (before triton is imported)"
     assert all(expected in line and line.endswith(hint) for line in lines), result.stdout
+
+
+@pytest.mark.parametrize("preset, symmetric", [("k3v4", False), ("k4v4", True)])
+def test_a_first_call_inside_a_cuda_graph_capture_makes_no_default_codebook(build_module, monkeypatch, preset,
+                                                                             symmetric):
+    """default_rotation and default_centroids are made once per device, by a host copy. A capture would record that
+    copy and run none of it, so a device's first call inside one (before any warm-up call) is refused in one line
+    naming what it needs, and a call passing its own codebook makes no default: it is not compared with one that
+    does not exist. 4-bit keys' decode compares its centroids with the default ones whatever a call passes (its
+    symmetric lookup), so there the default centroids are needed, and refused, either way. Here the capture is a
+    stand-in (_capturing_on), on the CPU."""
+    config = make_config(preset)
+    assert Plan.from_config(config).symmetric_key_lookup == symmetric
+    module = build_module(config)
+    own = dict(rotation=module.default_rotation("cpu").clone(), centroids=module.default_centroids("cpu").clone())
+    batch, cache = stored_cache(module, config, SEQ_LENS, "cpu", codebook=own)
+    query = torch.randn(len(SEQ_LENS), KV_HEADS * GROUP, config.head_dim, generator=torch.Generator().manual_seed(3))
+    expected = module.decode(query, cache, batch.block_table, batch.seq_lens, **own)
+    monkeypatch.setattr(module, "_per_device", {})  # nothing made for any device yet
+    monkeypatch.setattr(module, "_capturing_on", lambda device: True)
+    first_needed = "is first needed inside a CUDA-graph capture, which cannot make it: make one call on cpu before"
+    for call in (lambda: module.decode(query, cache, batch.block_table, batch.seq_lens),
+                 lambda: module.store(batch.key, batch.value, cache.clone(), batch.slot_mapping),
+                 lambda: module.dequantize(cache, batch.block_table, batch.seq_lens)):
+        with pytest.raises(module.LaunchError, match=f"the default rotation for cpu {first_needed}"):
+            call()
+    if symmetric:
+        with pytest.raises(module.LaunchError, match=f"decode: the default centroids for cpu {first_needed}"):
+            module.decode(query, cache, batch.block_table, batch.seq_lens, **own)
+    else:
+        out = module.decode(query, cache, batch.block_table, batch.seq_lens, **own)
+        assert torch.equal(out, expected)
+    assert not module._per_device.get(("rotation", "cpu")) and not module._per_device.get(("centroids", "cpu"))
