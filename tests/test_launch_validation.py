@@ -759,3 +759,16 @@ def test_a_first_call_inside_a_cuda_graph_capture_makes_no_default_codebook(buil
         out = module.decode(query, cache, batch.block_table, batch.seq_lens, **own)
         assert torch.equal(out, expected)
     assert not module._per_device.get(("rotation", "cpu")) and not module._per_device.get(("centroids", "cpu"))
+
+
+def test_a_workspace_built_inside_a_cuda_graph_capture_is_refused(build_module, monkeypatch):
+    """A DecodeWorkspace's split counters must be zeros before its first call: made inside a capture they are a
+    recorded memset, zeros only once the graph replays, so building one there is refused in one line (an empty one has none to zero). Here the
+    capture is a stand-in (_capturing_on), on the CPU; outside it the same workspace is built with zeros."""
+    module = build_module(make_config("k3v4"))
+    monkeypatch.setattr(module, "_capturing_on", lambda device: True)
+    with pytest.raises(module.LaunchError, match="DecodeWorkspace: built inside a CUDA-graph capture"):
+        module.DecodeWorkspace(2, KV_HEADS * GROUP, 4, "cpu")
+    assert module.DecodeWorkspace(0, KV_HEADS * GROUP, 4, "cpu").split_counters.numel() == 0  # no counter to zero
+    monkeypatch.setattr(module, "_capturing_on", lambda device: False)
+    assert not module.DecodeWorkspace(2, KV_HEADS * GROUP, 4, "cpu").split_counters.any()
