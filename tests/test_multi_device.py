@@ -346,6 +346,26 @@ def test_cached_answers_for_cuda_are_the_current_device_s(build_module, monkeypa
     assert made == [0, 1]
 
 
+def test_a_default_made_for_cuda_is_found_by_the_indexed_device_that_asks(build_module, monkeypatch):
+    """A default codebook made for "cuda" is kept under "cuda:<current>"; asking whether a tensor on cuda:0 is it
+    (_is_kept, which makes nothing) finds it through the tensor's indexed device, and keeps it under that device
+    object for the next call's lookup; another device's tensor is not it, and "cuda" itself is never a key."""
+    module = build_module(make_config("k3v4"))
+    cuda = FakeCurrentDevice(current=0).install(monkeypatch)
+    monkeypatch.setattr(module, "_per_device", {})
+    rotation = module._cached("rotation", "cuda", lambda: torch.eye(128))
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert set(module._per_device) == {("rotation", "cuda:0")}
+    assert module._kept("rotation", gpu0) is rotation and module._kept("rotation", gpu1) is None
+    assert set(module._per_device) == {("rotation", "cuda:0"), ("rotation", gpu0)}
+    assert module._kept("rotation", torch.device("cuda")) is None  # "cuda" means no device until a call asks
+    on_gpu0 = types.SimpleNamespace(device=gpu0, data_ptr=rotation.data_ptr)
+    on_gpu1 = types.SimpleNamespace(device=gpu1, data_ptr=rotation.data_ptr)
+    assert module._is_kept("rotation", on_gpu0) and not module._is_kept("rotation", on_gpu1)
+    assert not module._is_kept("centroids", on_gpu0) and ("centroids", "cuda:0") not in module._per_device
+    assert cuda.current == 0
+
+
 # --------------------------------------------------------------------------
 # GPU: two devices
 # --------------------------------------------------------------------------
