@@ -46,6 +46,39 @@ def device(request):
     return request.param
 
 
+# --- GPU runs (tools/run_gpu.sh): the suite in shards, and failures logged as they happen ---------------------
+def _shard(text):
+    """TQGEN_TEST_SHARD "i/n" -> (i, n), 1 <= i <= n; anything else is a usage error naming the variable."""
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
+        raise pytest.UsageError(f"TQGEN_TEST_SHARD must be i/n with 1 <= i <= n (for example 1/2), got {text!r}")
+    return int(index), int(count)
+
+
+def pytest_collection_modifyitems(config, items):
+    """TQGEN_TEST_SHARD=i/n keeps the i-th of every n collected tests (interleaved, so that each shard takes a like
+    share of every file's slow tests): the GPU suite in n device calls where one call's time limit cannot hold it."""
+    text = os.environ.get("TQGEN_TEST_SHARD")
+    if not text:
+        return
+    index, count = _shard(text)
+    kept = items[index - 1::count]
+    config.hook.pytest_deselected(items=[item for position, item in enumerate(items) if position % count != index - 1])
+    items[:] = kept
+
+
+def pytest_runtest_logreport(report):
+    """TQGEN_FAILURE_LOG=FILE appends each failing test's id, phase and last line of its report to FILE as it
+    fails: a run stopped by a time limit, before pytest's summary, still names its failures. Written by the
+    controlling process only (pytest-xdist's workers report theirs to it)."""
+    path = os.environ.get("TQGEN_FAILURE_LOG")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    lines = report.longreprtext.strip().splitlines()
+    with open(path, "a") as log:
+        log.write(f"{report.nodeid} [{report.when}]: {lines[-1] if lines else ''}\n")
+
+
 def offline_compile_reports(*args, timeout=900):
     """Run `python3 ARGS` in the repository without the interpreter (triton then compiles for a GPU target offline
     and launches nothing) and return the JSON objects it printed, one a line; fail with its stderr if it failed."""

@@ -14,11 +14,12 @@
 # decode calls, tools/host_overhead.py, through triton's launch path and as shipped, into host.log; "merge" times
 # stage 1 merging its own splits beside stage 2 at batch 1-8 (tools/ab_modules.py --merge-in-stage1, into
 # merge.log; TQGEN_MERGE_CONFIGS, default k3v4 and k8v4 planes and k3v4 slots).
+# TQGEN_TEST_SHARD=i/n runs the i-th of every n GPU tests (tests/conftest.py).
 # TQGEN_SANITIZE_CONFIGS limits the sanitizers to some configs (default every shipped one, 8 sanitizer processes
 # at a time); TQGEN_TEST_ARGS is passed to pytest (test files, -k), TQGEN_BENCH_CONFIGS replaces the bench's eight
 # shipped head_dim-128 configs.
-# OUT_DIR gets these files, by step (the device tool returns no more than 8 from $OUT: every step at once writes 10):
-# pytest-gpu.log, tune.log, tuned.tar, sanitize.log (memcheck then racecheck), multi.log, host.log, merge.log,
+# OUT_DIR gets these files, by step (the device tool returns no more than 8 from $OUT: every step at once writes 11):
+# pytest-gpu.log, failures.log, tune.log, tuned.tar, sanitize.log (memcheck then racecheck), multi.log, host.log, merge.log,
 # bench.log, bench.json, bench.png.
 set -u
 out=${1:-${OUT:-/tmp/tqgen-gpu}}
@@ -30,11 +31,15 @@ export PYTHONUNBUFFERED=1 TQGEN_CACHE_DIR="${TQGEN_CACHE_DIR:-/tmp/tqgen-gpu-mod
 python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}')"
 status=0
 if [[ $steps == *tests* ]]; then
-    # With pytest-xdist (the device image has it), 8 workers share the GPU: about 1000 tests in 4-6 minutes.
+    # With pytest-xdist (the device image has it), 8 workers share the GPU: about 1650 tests, more than one call's
+    # 600 s on an H100 (2026-12-05): TQGEN_TEST_SHARD=1/2, then 2/2, in two calls. Each failure is appended to
+    # failures.log as it happens (tests/conftest.py), so a run stopped by the time limit still names them.
     workers=""; python3 -c "import xdist" 2>/dev/null && workers="-n 8"
-    python3 -m pytest -m gpu -q -p no:cacheprovider $workers --durations=5 ${TQGEN_TEST_ARGS:-} 2>&1 \
-        | tee "$out/pytest-gpu.log" | tail -25
+    rm -f "$out/failures.log"
+    TQGEN_FAILURE_LOG="$out/failures.log" python3 -m pytest -m gpu -q -p no:cacheprovider $workers --durations=5 \
+        ${TQGEN_TEST_ARGS:-} 2>&1 | tee "$out/pytest-gpu.log" | tail -25
     rc=${PIPESTATUS[0]}; echo "gpu tests exit code: $rc"; (( rc )) && status=1
+    [[ -s $out/failures.log ]] && { echo "failed:"; cut -c1-200 "$out/failures.log"; }
 fi
 if [[ $steps == *tune* ]]; then
     started=$(mktemp)  # outside OUT: the device tool returns few files

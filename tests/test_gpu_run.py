@@ -1,0 +1,53 @@
+"""What tools/run_gpu.sh relies on from conftest: the suite in shards (TQGEN_TEST_SHARD) and failures logged as they
+happen (TQGEN_FAILURE_LOG), so that a device call stopped by its time limit still names what failed."""
+
+import types
+
+import pytest
+
+import conftest
+
+
+class Hook:
+    def __init__(self):
+        self.deselected = []
+
+    def pytest_deselected(self, items):
+        self.deselected.extend(items)
+
+
+@pytest.mark.parametrize("shard, kept", [("1/3", [0, 3, 6, 9]), ("3/3", [2, 5, 8]), ("1/1", list(range(10)))])
+def test_shards_interleave_and_together_hold_every_test_once(monkeypatch, shard, kept):
+    monkeypatch.setenv("TQGEN_TEST_SHARD", shard)
+    items, hook = list(range(10)), Hook()
+    conftest.pytest_collection_modifyitems(types.SimpleNamespace(hook=hook), items)
+    assert items == kept and sorted(items + hook.deselected) == list(range(10))
+
+
+@pytest.mark.parametrize("shard", ["0/2", "3/2", "2", "a/b", "1/0", ""])
+def test_a_bad_shard_is_a_usage_error_naming_the_variable(monkeypatch, shard):
+    monkeypatch.setenv("TQGEN_TEST_SHARD", shard)
+    items = list(range(4))
+    if not shard:  # unset or empty: every test runs
+        conftest.pytest_collection_modifyitems(types.SimpleNamespace(hook=Hook()), items)
+        assert items == list(range(4))
+        return
+    with pytest.raises(pytest.UsageError, match=f"^TQGEN_TEST_SHARD must be i/n .*, got {shard!r}$"):
+        conftest.pytest_collection_modifyitems(types.SimpleNamespace(hook=Hook()), items)
+
+
+def test_failures_are_logged_by_the_controlling_process_as_they_happen(monkeypatch, tmp_path):
+    log = tmp_path / "failures.log"
+    monkeypatch.setenv("TQGEN_FAILURE_LOG", str(log))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+
+    def report(nodeid, failed, text="", when="call"):
+        return types.SimpleNamespace(nodeid=nodeid, failed=failed, when=when, longreprtext=text)
+
+    conftest.pytest_runtest_logreport(report("tests/a.py::passes", False))
+    conftest.pytest_runtest_logreport(report("tests/a.py::fails", True, "trace\nE   assert 3 == 4"))
+    conftest.pytest_runtest_logreport(report("tests/a.py::errors", True, "", when="setup"))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")  # a worker's report reaches the controller, which logs it
+    conftest.pytest_runtest_logreport(report("tests/a.py::fails_on_a_worker", True, "E   boom"))
+    assert log.read_text().splitlines() == ["tests/a.py::fails [call]: E   assert 3 == 4",
+                                            "tests/a.py::errors [setup]: "]
