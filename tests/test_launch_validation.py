@@ -763,8 +763,9 @@ def test_a_first_call_inside_a_cuda_graph_capture_makes_no_default_codebook(buil
 
 def test_a_workspace_built_inside_a_cuda_graph_capture_is_refused(build_module, monkeypatch):
     """A DecodeWorkspace's split counters must be zeros before its first call: made inside a capture they are a
-    recorded memset, zeros only once the graph replays, so building one there is refused in one line (an empty one has none to zero). Here the
-    capture is a stand-in (_capturing_on), on the CPU; outside it the same workspace is built with zeros."""
+    recorded memset, zeros only once the graph replays, so building one there is refused in one line (an empty one
+    has none to zero). Here the capture is a stand-in (_capturing_on), on the CPU; outside it the same workspace is
+    built with zeros."""
     module = build_module(make_config("k3v4"))
     monkeypatch.setattr(module, "_capturing_on", lambda device: True)
     with pytest.raises(module.LaunchError, match="DecodeWorkspace: built inside a CUDA-graph capture"):
@@ -772,3 +773,29 @@ def test_a_workspace_built_inside_a_cuda_graph_capture_is_refused(build_module, 
     assert module.DecodeWorkspace(0, KV_HEADS * GROUP, 4, "cpu").split_counters.numel() == 0  # no counter to zero
     monkeypatch.setattr(module, "_capturing_on", lambda device: False)
     assert not module.DecodeWorkspace(2, KV_HEADS * GROUP, 4, "cpu").split_counters.any()
+
+
+@pytest.mark.parametrize("preset", ["k3v4", "k4v4"])
+def test_calls_passing_their_own_codebook_inside_a_cuda_graph_capture_need_no_default(build_module, monkeypatch,
+                                                                                     preset):
+    """Only decode's symmetric lookup of 4-bit keys (decode's kernels, which decode_multi runs at q_len 1) compares a
+    call's centroids with the default ones: store, dequantize and decode_multi over several query tokens never look
+    at them when a call passes its own codebook. A device's first such call inside a capture is then not refused,
+    and makes no default. Here the capture is a stand-in (_capturing_on), on the CPU."""
+    config = make_config(preset)
+    module = build_module(config)
+    own = dict(rotation=module.default_rotation("cpu").clone(), centroids=module.default_centroids("cpu").clone())
+    batch, cache = stored_cache(module, config, SEQ_LENS, "cpu", codebook=own)
+    query = torch.randn(len(SEQ_LENS), 2, KV_HEADS * GROUP, config.head_dim,
+                        generator=torch.Generator().manual_seed(3))
+    expected_keys, expected_values = module.dequantize(cache, batch.block_table, batch.seq_lens, **own)
+    expected_multi = module.decode_multi(query, cache, batch.block_table, batch.seq_lens, **own)
+    monkeypatch.setattr(module, "_per_device", {})  # nothing made for any device yet
+    monkeypatch.setattr(module, "_capturing_on", lambda device: True)
+    stored = module.make_cache(batch.num_blocks, KV_HEADS, "cpu")
+    module.store(batch.key, batch.value, stored, batch.slot_mapping, **own)
+    assert torch.equal(stored, cache)
+    keys, values = module.dequantize(cache, batch.block_table, batch.seq_lens, **own)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    assert torch.equal(module.decode_multi(query, cache, batch.block_table, batch.seq_lens, **own), expected_multi)
+    assert not [key for key in module._per_device if key[0] in ("rotation", "centroids")]

@@ -19,8 +19,8 @@
 # at a time); TQGEN_TEST_ARGS is passed to pytest (test files, -k), TQGEN_BENCH_CONFIGS replaces the bench's eight
 # shipped head_dim-128 configs.
 # OUT_DIR gets these files, by step (the device tool returns no more than 8 from $OUT: every step at once writes 11):
-# pytest-gpu.log, failures.log, tune.log, tuned.tar, sanitize.log (memcheck then racecheck), multi.log, host.log, merge.log,
-# bench.log, bench.json, bench.png.
+# pytest-gpu.log, failures.log, tune.log, tuned.tar, sanitize.log (memcheck then racecheck), multi.log, host.log,
+# merge.log, bench.log, bench.json, bench.png.
 set -u
 out=${1:-${OUT:-/tmp/tqgen-gpu}}
 steps=${TQGEN_GPU_STEPS:-tests sanitize bench}
