@@ -68,15 +68,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_logreport(report):
-    """TQGEN_FAILURE_LOG=FILE appends each failing test's id, phase and last line of its report to FILE as it
-    fails: a run stopped by a time limit, before pytest's summary, still names its failures. Written by the
-    controlling process only (pytest-xdist's workers report theirs to it)."""
+    """TQGEN_FAILURE_LOG=FILE appends each failing test's id, phase and error (the first line of its exception's
+    message, else the last line of its report) to FILE as it fails: a run stopped by a time limit, before pytest's
+    summary, still names its failures. Written by the controlling process only (pytest-xdist's workers report
+    theirs to it)."""
     path = os.environ.get("TQGEN_FAILURE_LOG")
     if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    lines = report.longreprtext.strip().splitlines()
+    crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+    message = (getattr(crash, "message", None) or "").strip()  # the last report line is only "file:line: Error"
+    lines = message.splitlines()[:1] or report.longreprtext.strip().splitlines()[-1:]
     with open(path, "a") as log:
-        log.write(f"{report.nodeid} [{report.when}]: {lines[-1] if lines else ''}\n")
+        log.write(f"{report.nodeid} [{report.when}]: {lines[0] if lines else ''}\n")
 
 
 def offline_compile_reports(*args, timeout=900):

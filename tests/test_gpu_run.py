@@ -1,7 +1,11 @@
 """What tools/run_gpu.sh relies on from conftest: the suite in shards (TQGEN_TEST_SHARD) and failures logged as they
 happen (TQGEN_FAILURE_LOG), so that a device call stopped by its time limit still names what failed."""
 
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +55,23 @@ def test_failures_are_logged_by_the_controlling_process_as_they_happen(monkeypat
     conftest.pytest_runtest_logreport(report("tests/a.py::fails_on_a_worker", True, "E   boom"))
     assert log.read_text().splitlines() == ["tests/a.py::fails [call]: E   assert 3 == 4",
                                             "tests/a.py::errors [setup]: "]
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_a_real_failure_is_logged_once_with_its_message(tmp_path, workers):
+    """Through pytest itself (with pytest-xdist's workers too): each failure once, with its exception's message, not
+    only the "file:line: AssertionError" that ends its report."""
+    if workers:
+        pytest.importorskip("xdist")
+    (tmp_path / "test_fails.py").write_text("def test_fails():\n    assert 3 == 4, 'three is not four'\n\n\n"
+                                            "def test_passes():\n    pass\n")
+    log = tmp_path / "failures.log"
+    tests = Path(__file__).resolve().parent
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS", "TQGEN_TEST_SHARD")}
+    env.update(TQGEN_FAILURE_LOG=str(log), PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                             *workers, "test_fails.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert log.read_text().splitlines() == ["test_fails.py::test_fails [call]: AssertionError: three is not four"]
