@@ -346,6 +346,23 @@ def test_cached_answers_for_cuda_are_the_current_device_s(build_module, monkeypa
     assert made == [0, 1]
 
 
+def test_a_capture_is_asked_of_the_device_whose_stream_would_record_the_work(build_module, monkeypatch):
+    """torch.cuda.is_current_stream_capturing asks the current device's stream, but torch's work for cuda:1 (a
+    workspace's zeros, a default codebook's copy) goes to cuda:1's stream whichever device is current. So a capture
+    on cuda:1 with cuda:0 current refuses a workspace built for cuda:1 and a capture on cuda:0 does not; the current
+    device is the same after each answer."""
+    module = build_module(make_config("k3v4"))
+    cuda = FakeCurrentDevice(current=0).install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: cuda.current == 1)  # captured on cuda:1
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert module._capturing_on(gpu1) and not module._capturing_on(gpu0)
+    assert not module._capturing_on(torch.device("cuda")) and not module._capturing_on(torch.device("cpu"))
+    assert cuda.current == 0 and cuda.switches == [1]
+    with pytest.raises(module.LaunchError, match="^DecodeWorkspace: built inside a CUDA-graph capture"):
+        module.DecodeWorkspace(2, KV_HEADS * GROUP, 4, "cuda:1")
+    assert cuda.current == 0
+
+
 def test_a_default_made_for_cuda_is_found_by_the_indexed_device_that_asks(build_module, monkeypatch):
     """A default codebook made for "cuda" is kept under "cuda:<current>"; asking whether a tensor on cuda:0 is it
     (_is_kept, which makes nothing) finds it through the tensor's indexed device, and keeps it under that device
