@@ -407,12 +407,57 @@ def test_decode_views_of_vllms_buffers_are_built_once_per_buffer_and_shape(monke
     assert fresh.split_counters is not first.split_counters
     assert vllm._split_counter_store[(cpu, mid_o_buf.data_ptr())] is first.split_counters
     assert vllm._buffer_views["workspace"][0] is new_mid and vllm._buffer_views["output"][0] is new_out
-    assert all(view is not first for view in vllm._buffer_views["workspace"][1].values())
+    assert all(view is not first for view in vllm._buffer_views["workspace"][2].values())
     # A buffer too small for the call is not used, and nothing is held for it.
     small = torch.empty(1, 8, 4, 129)
     unheld = workspace(small, 3)
     assert unheld.partial_out.data_ptr() != small.data_ptr() and unheld.split_counters.numel() == 3 * 8
     assert vllm._buffer_views["workspace"][0] is new_mid
+
+
+def workspace_manager_buffers(base, batch, num_q_heads, splits, head_dim, dtype):
+    """What vLLM's backend passes decode from its WorkspaceManager (get_simultaneous): new views of one uint8 base
+    tensor on every call, mid_o_buf, output_buf and lse_buf each at a 256-byte aligned offset."""
+    shapes = [((batch, num_q_heads, splits, head_dim + 1), torch.float32), ((batch, num_q_heads, head_dim), dtype),
+              ((batch, num_q_heads), torch.float32)]
+    views, start = [], 0
+    for shape, view_dtype in shapes:
+        size = math.prod(shape) * view_dtype.itemsize
+        views.append(base[start:start + size].view(view_dtype).reshape(shape))
+        start += -(-size // 256) * 256
+    return views
+
+
+@pytest.mark.skipif(not INTERPRET, reason="a CPU test")
+def test_decode_views_of_workspace_manager_buffers_are_built_once_per_shape(monkeypatch):
+    """vLLM's backend hands decode new view objects of its WorkspaceManager's one allocation on every call: the
+    workspace carved out of mid_o_buf and the output view are built by the first call of a shape and found again by
+    later calls over the same memory (they were rebuilt on every call: the held views matched the buffer object), for
+    each batch size; views of another allocation (the workspace grown) replace them. Results are the plain call's."""
+    monkeypatch.setattr(vllm, "_buffer_views", {})
+    monkeypatch.setattr(vllm, "_split_counter_store", {})
+    p = stored_problem("turboquant_k3v4_nc", 128, "cpu")
+    batch, num_q_heads, head_dim = p.query.shape
+    call = (p.cache, p.block_table, p.seq_lens, p.pi, p.centroids, head_dim**-0.5)
+    plain = vllm.triton_turboquant_decode_attention(p.query, *call, PiT=p.pi, **p.arguments)
+    carved = []
+    carve = vllm._carve_workspace
+    monkeypatch.setattr(vllm, "_carve_workspace",
+                        lambda *args, **kwargs: carved.append(args[3]) or carve(*args, **kwargs))
+    base = torch.empty(1 << 20, dtype=torch.uint8)
+    for rows in (batch, batch - 1, batch, batch - 1):
+        mid_o_buf, output_buf, lse_buf = workspace_manager_buffers(base, rows, num_q_heads, 4, head_dim, torch.float16)
+        out = vllm.triton_turboquant_decode_attention(p.query[:rows], *call, PiT=p.pi, mid_o_buf=mid_o_buf,
+                                                      output_buf=output_buf, lse_buf=lse_buf, max_num_kv_splits=4,
+                                                      **p.arguments)
+        assert out.data_ptr() == output_buf.data_ptr() and relative_error(out, plain[:rows]) < 1e-3
+    assert carved == [batch, batch - 1]  # one workspace per batch size, none per call
+    grown = torch.empty(2 << 20, dtype=torch.uint8)
+    mid_o_buf, output_buf, _ = workspace_manager_buffers(grown, batch, num_q_heads, 4, head_dim, torch.float16)
+    workspace = vllm._decode_workspace(vllm._module("test", torch.device("cpu"), 128, 16, False, 3, 50, 4, True),
+                                       mid_o_buf, None, batch, num_q_heads, head_dim, 4, 4, torch.device("cpu"), True)
+    output = vllm._decode_output(output_buf, None, batch, num_q_heads, head_dim, torch.float16, torch.device("cpu"))
+    assert workspace.partial_out.data_ptr() == grown.data_ptr() and output.data_ptr() == output_buf.data_ptr()
 
 
 @pytest.mark.skipif(not INTERPRET, reason="a CPU test")

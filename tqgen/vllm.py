@@ -470,31 +470,38 @@ def triton_turboquant_decode_attention(query, kv_cache, block_table, seq_lens, P
         _refused_by_module(fn, error)
 
 
-# The views of vLLM's buffers that the last calls took, by buffer: the buffers live as long as the engine, and a view
-# built per call (slices, a DecodeWorkspace) was a sizeable part of a call's host time (tools/host_overhead.py). Only
-# the latest buffer object of each kind is held: a new one replaces the old one's views (and the reference to it).
-_buffer_views: dict = {}  # kind -> (buffer, {call key: view})
+# The views of vLLM's buffers that the last calls took, by the memory the buffers are in: the buffers live as long as
+# the engine, and a view built per call (slices, a DecodeWorkspace) was a sizeable part of a call's host time
+# (tools/host_overhead.py). vLLM's backend takes them from its WorkspaceManager, which returns new views of one
+# allocation on every call (a slice of a uint8 tensor, viewed as another dtype: no _base leads back to it), so views
+# are found by the buffer's storage and keyed by its address, shape, strides and dtype. Only the latest storage of
+# each kind is held (through the buffer that came with it, which keeps it allocated: no other storage can start at
+# its address meanwhile); a buffer in another storage replaces its views (and the reference to it).
+_buffer_views: dict = {}  # kind -> (buffer, its storage's address, {call key: view})
 
 
 def _held_view(kind, buffer, key):
-    """The view an earlier call built of this very buffer object for `key`, else None."""
+    """The view an earlier call built of this buffer's storage for `key` (None: no buffer), else None."""
     held = _buffer_views.get(kind)
-    return held[1].get(key) if held is not None and held[0] is buffer else None
+    if key is None or held is None or (held[0] is not buffer and held[1] != buffer.untyped_storage().data_ptr()):
+        return None
+    return held[2].get(key)
 
 
 def _hold_view(kind, buffer, key, view):
-    """Keep `view` of `buffer` for later calls with `key` (dropping the views of any other buffer of this kind)."""
+    """Keep `view` of `buffer` for later calls with `key` (dropping the views of any other storage of this kind)."""
     held = _buffer_views.get(kind)
-    if held is None or held[0] is not buffer:
-        held = _buffer_views[kind] = (buffer, {})
-    held[1][key] = view
+    storage = buffer.untyped_storage().data_ptr()
+    if held is None or held[1] != storage:
+        held = _buffer_views[kind] = (buffer, storage, {})
+    held[2][key] = view
     return view
 
 
 def _decode_output(output_buf, buf_holder, batch, num_q_heads, head_dim, dtype, device):
     """output_buf[:batch] where it fits (vLLM's test: enough rows, the query's dtype), else a new tensor."""
-    view_key = (output_buf.data_ptr(), batch, num_q_heads, head_dim, dtype, device) \
-        if isinstance(output_buf, torch.Tensor) else None
+    view_key = (output_buf.data_ptr(), output_buf.shape, output_buf.stride(), output_buf.dtype, batch, num_q_heads,
+                head_dim, dtype, device) if isinstance(output_buf, torch.Tensor) else None
     view = _held_view("output", output_buf, view_key)
     if view is not None:
         return view
@@ -513,8 +520,9 @@ def _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_di
     """A DecodeWorkspace over vLLM's mid_o_buf: the partial outputs [B, Hq, splits, D], then the partial
     log-sum-exps [B, Hq, splits] (together B * Hq * splits * (D + 1) floats, what mid_o_buf holds at
     max_splits), then the rotated fp16 query where room is left (16-byte aligned)."""
-    view_key = (id(module), mid_o_buf.data_ptr() if isinstance(mid_o_buf, torch.Tensor) else None, batch,
-                num_q_heads, head_dim, num_splits, max_splits, device, needs_query)
+    view_key = (id(module), mid_o_buf.data_ptr(), mid_o_buf.shape, mid_o_buf.stride(), mid_o_buf.dtype, batch,
+                num_q_heads, head_dim, num_splits, max_splits, device, needs_query) \
+        if isinstance(mid_o_buf, torch.Tensor) else None
     workspace = _held_view("workspace", mid_o_buf, view_key)
     if workspace is not None:
         return workspace  # this buffer's workspace for this call's shape, built by an earlier call
