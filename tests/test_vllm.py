@@ -638,6 +638,23 @@ def test_a_hadamard_pit_takes_the_stores_walsh_hadamard_path():
     assert torch.equal(vllm._decode_rotation("test", module, pi, None, 128), pi.t())
 
 
+def test_default_centroids_of_the_callers_own_take_the_modules_tensor_in_decode():
+    """vLLM's copy of the default levels is replaced by the module's own tensor when the two agree in fp16 (what
+    the Gluon decode reads), so that 4-bit keys take decode's symmetric lookup; other centroids are passed on as
+    they are. Decided once per tensor and version: an in-place write is seen."""
+    module = vllm._module("test", torch.device("cpu"), 128, 16, False, 4, 66, 4, True)
+    default = module.default_centroids("cpu")
+    copy = (default.double() * (1 + 1e-6)).to(torch.float32)  # another solver's rounding of the same levels
+    assert not torch.equal(copy, default)
+    assert vllm._decode_centroids("test", module, copy) is default
+    assert vllm._decode_centroids("test", module, default.half()) is default
+    other = default.clone()
+    other[3] += 1e-2
+    assert vllm._decode_centroids("test", module, other) is other
+    copy[3] += 1e-2  # in place: its version moves
+    assert vllm._decode_centroids("test", module, copy) is copy
+
+
 REFUSALS = [
     (dict(value_quant_bits=2), "value_quant_bits 2"),
     (dict(mse_bits=2, key_packed_size=34), "mse_bits 2"),

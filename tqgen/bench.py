@@ -220,7 +220,7 @@ def vllm_decode_call(module: ModuleType, config: Config, problem: dict,
                      max_num_kv_splits: int = VLLM_MAX_KV_SPLITS):
     """A call of tqgen.vllm's decode as vLLM's backend makes it, over a random_problem of `module`: the cache
     allocated head-major (num_blocks, num_kv_heads, block_size, slot) and passed transposed, the workspace's
-    mid_o_buf, output_buf and lse_buf, the config's rotation and centroids. Run it inside
+    mid_o_buf, output_buf and lse_buf, copies of the config's rotation and centroids. Run it inside
     vllm.cache_layout_for(config.cache_layout)."""
     from . import vllm
 
@@ -232,7 +232,8 @@ def vllm_decode_call(module: ModuleType, config: Config, problem: dict,
         head_major = cache.view(cache.shape[0], cache.shape[1], config.block_size, module.SLOT_BYTES).transpose(1, 2)
     else:
         head_major = cache  # random_problem lays a slots cache out as make_cache does: head-major
-    codebook = codebook_kwargs(module, device)
+    # Copies of the config's rotation and centroids: vLLM's backend holds its own tensors, not the module's.
+    codebook = {name: tensor.clone() for name, tensor in codebook_kwargs(module, device).items()}
     rotation = codebook.get("rotation")
     pi = rotation.t().contiguous() if rotation is not None else None  # vLLM's PiT is tqgen's rotation
     buffers = dict(mid_o_buf=torch.empty(batch, num_q_heads, max_num_kv_splits, config.head_dim + 1, device=device),

@@ -373,6 +373,26 @@ def _centroids(fn, module, centroids):
     return _fp32(centroids)
 
 
+def _decode_centroids(fn, module, centroids):
+    """_centroids, or the module's own default tensor where the caller's are the default levels in fp16, which is
+    all the Gluon decode reads of them (the same bits): decode takes its symmetric lookup of 4-bit keys for that
+    tensor only, and vLLM passes a copy of its own. Decided once per tensor and version outside a capture; a
+    tensor first seen inside one keeps its own path, which is correct for any centroids."""
+    centroids = _centroids(fn, module, centroids)
+    if not isinstance(centroids, torch.Tensor):
+        return centroids  # the module's launcher refuses it by name
+
+    def is_default(source, capturing):
+        if capturing:  # comparing reads values on the host
+            return False
+        default = module.default_centroids(source.device)
+        return source.shape == default.shape and torch.equal(source.to(torch.float16), default.to(torch.float16))
+
+    if _derive(("default-centroids", id(module)), centroids, is_default):
+        return module.default_centroids(centroids.device)
+    return centroids
+
+
 def _check_square(fn, name, matrix, head_dim):
     if not isinstance(matrix, torch.Tensor) or tuple(matrix.shape) != (head_dim, head_dim):
         shown = tuple(matrix.shape) if isinstance(matrix, torch.Tensor) else type(matrix).__name__
@@ -462,7 +482,7 @@ def triton_turboquant_decode_attention(query, kv_cache, block_table, seq_lens, P
     workspace = _decode_workspace(module, mid_o_buf, buf_holder, batch, num_q_heads, head_dim, num_splits,
                                   max_num_kv_splits, device, needs_query=not key_fp8)
     codebook = {} if key_fp8 else {"rotation": _decode_rotation(fn, module, Pi, PiT, head_dim),
-                                   "centroids": _centroids(fn, module, centroids)}
+                                   "centroids": _decode_centroids(fn, module, centroids)}
     try:
         return module.decode(query, kv_cache, block_table, seq_lens, scale=scale, out=out, workspace=workspace,
                              num_splits=num_splits, validate=False, **codebook)
