@@ -496,3 +496,24 @@ def test_bench_json_records_the_command_and_each_config(tmp_path, monkeypatch):
     assert metadata["environment"]["TQGEN_BENCH_TEST_SETTING"] == "1"
     assert metadata["configs"]["k3v4-d128-planes"]["cache_layout"] == "planes"
     assert metadata["configs"]["k3v4-d128-planes"]["head_dim"] == 128
+
+
+# --------------------------------------------------------------------------
+# chart
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["under-a-file", "missing-folder"])
+def test_chart_to_a_folder_that_is_not_there_fails_with_one_line_naming_it(tmp_path, where):
+    """A PNG under a file raised a traceback (cleaning up its partial file), and one in a missing folder was
+    refused as 'the file system does not allow it', which names the wrong thing."""
+    pytest.importorskip("matplotlib")
+    bench_json = tmp_path / "bench.json"
+    bench_json.write_text(json.dumps({"metadata": {}, "copy_ceiling_gbps": 1000.0,
+                                      "rows": [{"config": "k3v4", "batch": 1, "context": 1024, "gbps": 500.0}]}))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    folder = blocker if where == "under-a-file" else tmp_path / "missing"
+    stderr = assert_one_line_error(tqgen("chart", bench_json, folder / "chart.png"))
+    assert f"cannot write the chart to {folder / 'chart.png'}: the folder {folder} " in stderr
+    assert ("is a file" if where == "under-a-file" else "does not exist") in stderr
+    assert "file system does not allow" not in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "bench.json"]

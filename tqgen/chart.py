@@ -48,6 +48,12 @@ def read_bench_json(path) -> dict:
 
 def draw(payload: dict, path) -> Path:
     """Write the chart to `path` (atomically: a failed draw leaves an older chart intact)."""
+    path = Path(path)
+    # Checked before drawing: a missing folder would fail the write as FileNotFoundError, which write_failure_reason
+    # reads as a file system that takes no such name.
+    if not path.parent.is_dir():
+        why = "is a file, not a folder" if path.parent.exists() else "does not exist"
+        raise TqgenError(f"cannot write the chart to {path}: the folder {path.parent} {why}")
     plt = require_matplotlib()
     rows, ceiling = payload["rows"], payload["copy_ceiling_gbps"]
     batches = sorted({row["batch"] for row in rows})
@@ -71,7 +77,6 @@ def draw(payload: dict, path) -> Path:
     figure.suptitle(f"tqgen decode, {meta.get('device', 'unknown device')}, triton {meta.get('triton', '?')}, "
                     f"{meta.get('date', '')}", fontsize=10)
     figure.tight_layout()
-    path = Path(path)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial.png")
     try:
         figure.savefig(partial, dpi=110)
