@@ -517,3 +517,26 @@ def test_chart_to_a_folder_that_is_not_there_fails_with_one_line_naming_it(tmp_p
     assert ("is a file" if where == "under-a-file" else "does not exist") in stderr
     assert "file system does not allow" not in stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "bench.json"]
+
+
+@pytest.mark.parametrize("kind", ["missing", "a-file", "env-missing"])
+@pytest.mark.parametrize("command", ["build", "show"])
+def test_a_tuned_dir_that_is_not_a_folder_fails_with_one_line_before_writing(tmp_path, command, kind):
+    """A mistyped --tuned-dir (or $TQGEN_TUNED_DIR) built every module with the heuristic launches alone, and said
+    only 'tuned launches: none (heuristic)', as for a config that was never tuned."""
+    tuned = tmp_path / ("tuned.json" if kind == "a-file" else "no-such-tuned")
+    if kind == "a-file":
+        tuned.write_text("{}")
+    out = tmp_path / "out"
+    args = [command, REPO / K3V4] + (["-o", out] if command == "build" else [])
+    if kind == "env-missing":
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), TQGEN_TUNED_DIR=str(tuned))
+        result = subprocess.run([sys.executable, "-m", "tqgen.cli", *map(str, args)], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=120)
+    else:
+        result = tqgen(*args, "--tuned-dir", tuned)
+    stderr = assert_one_line_error(result)
+    named = "$TQGEN_TUNED_DIR" if kind == "env-missing" else "--tuned-dir"
+    assert f"{named} {tuned}: " in stderr
+    assert ("is a file, not a folder" if kind == "a-file" else "no such folder") in stderr
+    assert result.stdout == "" and not out.exists()

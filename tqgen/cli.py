@@ -28,8 +28,9 @@ def _cmd_build(args: argparse.Namespace) -> int:
     _refuse_clashes(args.configs, configs, Path(args.output))
     from . import emit
 
+    tuned_dir = emit.tuned_dir_to_read(args.tuned_dir)
     for path, config in zip(args.configs, configs):
-        built = emit.build_files(config, args.output, args.tuned_dir)
+        built = emit.build_files(config, args.output, tuned_dir)
         if not built.variants:
             print(f"{path} -> {built.path} (tuned launches: {_tuned_devices(built.tuned)})")
             continue
@@ -80,6 +81,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     # arch auto: what `tqgen build` writes, a dispatcher over one module per arch (whatever GPU is here).
     shown = config_mod.load(args.config)
+    root = emit.tuned_dir_to_read(args.tuned_dir)  # before anything is printed
     variants = dispatch.variant_configs(shown) if shown.arch == "auto" else []
     print(f"config      {args.config}")
     for key, value in shown.to_dict().items():
@@ -94,7 +96,6 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if not variants:
         print(f"decode      {render.decode_kernel_hash(shown)}  (kernel hash: tuned launches are valid for it)")
     _show_layout(shown)
-    root = Path(args.tuned_dir) if args.tuned_dir else emit.default_tuned_dir()
     current = _current_gpu()
     if not variants:
         _show_tuned(shown, root, current)
@@ -383,7 +384,8 @@ def make_parser() -> argparse.ArgumentParser:
                                 "and a dispatcher, whatever GPU this machine has)")
     build.add_argument("configs", nargs="+", metavar="CONFIG", help="YAML config files")
     build.add_argument("-o", "--output", default="build", metavar="DIR", help="output folder (default: build)")
-    build.add_argument("--tuned-dir", metavar="DIR", help="tuned launches to bake (default: tuned/ of the checkout)")
+    build.add_argument("--tuned-dir", metavar="DIR",
+                       help="tuned launches to bake (default: $TQGEN_TUNED_DIR, else tuned/ of the checkout)")
     build.set_defaults(run=_cmd_build)
 
     render = commands.add_parser("render", help="print the generated module of one config (arch auto: this "
@@ -393,7 +395,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     show = commands.add_parser("show", help="resolved config, slot layout and hashes")
     show.add_argument("config", metavar="CONFIG")
-    show.add_argument("--tuned-dir", metavar="DIR", help="default: tuned/ of the checkout ($TQGEN_TUNED_DIR)")
+    show.add_argument("--tuned-dir", metavar="DIR", help="default: $TQGEN_TUNED_DIR, else tuned/ of the checkout")
     show.set_defaults(run=_cmd_show)
 
     verify = commands.add_parser("verify", help="check the generated kernels against the reference")
@@ -426,7 +428,7 @@ def make_parser() -> argparse.ArgumentParser:
                            "when first timed (default: one per CPU core but one, at most 16: %(default)s)")
     tune.add_argument("--exhaustive", action="store_true",
                       help="time every candidate by the full 20 ms run, not only the finalists of a 5 ms screening")
-    tune.add_argument("--tuned-dir", metavar="DIR", help="default: tuned/ of the checkout ($TQGEN_TUNED_DIR)")
+    tune.add_argument("--tuned-dir", metavar="DIR", help="default: $TQGEN_TUNED_DIR, else tuned/ of the checkout")
     tune.add_argument("--cache-dir", metavar="DIR")
     tune.set_defaults(run=_cmd_tune)
 

@@ -49,6 +49,23 @@ def default_tuned_dir() -> Path:
     return checkout if checkout.is_dir() else package / "_tuned"
 
 
+def tuned_dir_to_read(tuned_dir: str | os.PathLike | None = None) -> Path:
+    """The folder of tuned files a build or `tqgen show` reads: tuned_dir, else default_tuned_dir(). A folder named
+    by the user (tuned_dir, $TQGEN_TUNED_DIR) that is not one is refused in one line (TqgenError): read as it is,
+    it holds no tuned files, and every module would be built with the heuristic launches as if never tuned.
+    (A tune may name a folder that does not exist yet: it makes it.)"""
+    if tuned_dir is not None:
+        root, named = Path(tuned_dir), "--tuned-dir"
+    elif os.environ.get("TQGEN_TUNED_DIR"):
+        root, named = default_tuned_dir(), "$TQGEN_TUNED_DIR"
+    else:
+        return default_tuned_dir()
+    if not root.is_dir():
+        why = "is a file, not a folder" if root.exists() else "no such folder"
+        raise TqgenError(f"{named} {root}: {why} (the tuned files to bake; tqgen tune writes them)")
+    return root
+
+
 def _warn(message: str) -> None:
     print(message, file=sys.stderr)
 
