@@ -793,6 +793,34 @@ def test_precompile_runs_nothing_on_one_worker_or_off_cuda(setup, monkeypatch):
     assert lines == []
 
 
+
+def test_an_interrupted_precompile_starts_no_more_classes(setup, monkeypatch):
+    """Ctrl-C while the candidates compile: the pool's exit waited for every class still queued (each 30-40 s of
+    compiling on the H200) before the interrupt got through. Worker threads stand in for the processes."""
+    import concurrent.futures
+
+    config, module = setup
+
+    class Threads(concurrent.futures.ThreadPoolExecutor):
+        def __init__(self, workers, mp_context=None):
+            super().__init__(workers)
+
+    started = []
+
+    def compile_class(module_file, config, group_size, batch, context, space, num_kv_heads, device):
+        started.append(batch)
+        if batch == 1:  # the interrupt, as a worker hands it back to the tuner
+            raise KeyboardInterrupt
+        time.sleep(0.5)
+        return 0
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Threads)
+    monkeypatch.setattr(tuner, "_compile_class", compile_class)
+    shapes = [(2, batch, 256) for batch in range(1, 9)]
+    with pytest.raises(KeyboardInterrupt):
+        tuner.precompile(module, config, shapes, SPACE, workers=2, device="cuda", progress=lambda line: None)
+    assert len(started) < len(shapes) // 2, started
+
 def _unwritable_roots(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

@@ -263,11 +263,15 @@ def precompile(module: ModuleType, config: Config, shapes, space: SearchSpace, *
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
         jobs = {pool.submit(_compile_class, module.__file__, config, group_size, batch, ctx, space, num_kv_heads,
                             str(device)): (group_size, batch) for group_size, batch, ctx in classes}
-        for job in concurrent.futures.as_completed(jobs):
-            try:
-                job.result()
-            except Exception as exc:  # noqa: BLE001 (a lost worker: its kernels compile in series)
-                failures.append(f"g{jobs[job][0]} b{jobs[job][1]}: {type(exc).__name__}: {str(exc)[:120]}")
+        try:
+            for job in concurrent.futures.as_completed(jobs):
+                try:
+                    job.result()
+                except Exception as exc:  # noqa: BLE001 (a lost worker: its kernels compile in series)
+                    failures.append(f"g{jobs[job][0]} b{jobs[job][1]}: {type(exc).__name__}: {str(exc)[:120]}")
+        except BaseException:  # Ctrl-C: the pool's exit would wait for every class still queued, compiling each
+            pool.shutdown(cancel_futures=True)
+            raise
     note = f"; not compiled ahead (compiled when timed): {'; '.join(failures)}" if failures else ""
     progress(f"compiled in {time.monotonic() - started:.0f} s{note}")
 
