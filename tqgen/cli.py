@@ -172,6 +172,8 @@ def _show_tuned(config, root: Path, current, indent: str = "") -> None:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    if not -2**63 <= args.seed < 2**64:  # what torch's generators take: else a traceback once the module is built
+        raise TqgenError(f"verify: --seed {args.seed} is out of range (a 64-bit seed: -2**63 to 2**64-1)")
     device = args.device or ("cuda" if _cuda_available() else "cpu")
     if device == "cuda" and not _cuda_available():
         if os.environ.get("TRITON_INTERPRET") == "1":
