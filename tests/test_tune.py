@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -174,6 +175,30 @@ def test_force_keeps_an_unusable_file_beside_the_new_one(setup, tmp_path):
     warnings = []
     baked = tuned_files.baked_launches(tmp_path, config, warnings.append)  # the new file, not the kept one
     assert not warnings and set(baked["Test GPU"]["buckets"]) == {"g2_b1_t256", "g2_b2_t256"}
+
+
+def test_a_copy_of_a_device_folder_is_not_baked_over_the_tuners_own(setup, tmp_path):
+    """Two files for one device (a backup copy of its folder beside it): a build bakes the one in the folder the
+    tuner writes (tuned_path), whatever the copy's name sorts as, and says which it left out."""
+    config, _ = setup
+    path, _ = run_tune(setup, tmp_path)
+    for backup in ("Test_GPU_old", "A_backup"):
+        copy = tmp_path / backup / path.name
+        copy.parent.mkdir()
+        document = json.loads(path.read_text())
+        del document["buckets"]["g2_b1_t256"]  # an older tune: one bucket fewer
+        copy.write_text(json.dumps(document))
+    warnings = []
+    baked = tuned_files.baked_launches(tmp_path, config, warnings.append)
+    assert set(baked["Test GPU"]["buckets"]) == {"g2_b1_t256", "g2_b2_t256"}
+    assert baked["Test GPU"]["source"].startswith(f"Test_GPU/{path.name}")
+    assert len(warnings) == 2 and all("Test_GPU/" in line and "Test GPU" in line for line in warnings)
+    assert any("Test_GPU_old" in line for line in warnings) and any("A_backup" in line for line in warnings)
+    # Without the tuner's own folder, the first in name order is baked and the other reported.
+    shutil.rmtree(path.parent)
+    warnings.clear()
+    baked = tuned_files.baked_launches(tmp_path, config, warnings.append)
+    assert baked["Test GPU"]["source"].startswith("A_backup/") and len(warnings) == 1 and "Test_GPU_old" in warnings[0]
 
 
 def test_setting_aside_checks_the_file_again_under_the_lock(setup, tmp_path):
@@ -625,8 +650,6 @@ def test_only_decode_kernel_edits_invalidate_a_tuned_file(setup, tmp_path, monke
     code of any definition that decode's launch reaches (its kernels, their helpers, the launch code)
     drops it; comments and docstrings there, and code of the store, dequantize or the launch heuristic,
     keep it."""
-    import shutil
-
     config, _ = setup
     path, _ = run_tune(setup, tmp_path / "tuned", buckets=BUCKETS[:1])
     copy = tmp_path / "templates"

@@ -264,11 +264,15 @@ def baked_launches(root: Path, config: Config, warn) -> dict[str, dict]:
     """Every device's tuned launches for this config under `root`, as render() bakes them.
 
     Files for other kernels (config, decode kernel source, tqgen version) or that
-    are corrupt are reported through `warn` and skipped.
+    are corrupt are reported through `warn` and skipped. Of several files for one
+    device (a copy of its folder kept beside it), the one in the folder the tuner
+    writes (tuned_path) is baked, else the first by folder name; the others are
+    reported.
     """
     from .render import decode_kernel_hash
 
     baked: dict[str, dict] = {}
+    found: dict[str, Path] = {}  # device name -> the file baked for it
     paths = sorted(p for p in root.glob(f"*/{config.artifact_name()}.json") if p.is_file()) if root.is_dir() else []
     if not paths:
         return baked  # no render of the decode kernels just to hash them
@@ -284,7 +288,17 @@ def baked_launches(root: Path, config: Config, warn) -> dict[str, dict]:
         if not document or not document["buckets"]:
             continue
         metadata, buckets = document["metadata"], document["buckets"]
-        baked[metadata["device_name"]] = {
+        device = metadata["device_name"]
+        earlier = found.get(device)
+        if earlier is not None:
+            # The tuner's own folder wins; else the first by name, as paths are sorted.
+            kept, left = (path, earlier) if device_dir.name == device_folder_name(device) else (earlier, path)
+            warn(f"tqgen: ignoring {left.relative_to(root)} ({device}): {kept.relative_to(root)} is baked for that "
+                 f"device (tqgen tune writes {device_folder_name(device)}/)")
+            if kept is earlier:
+                continue
+        found[device] = path
+        baked[device] = {
             "triton_version": metadata["triton_version"],
             "source": f"{device_dir.name}/{path.name} ({str(metadata.get('date', ''))[:10]})",
             "buckets": {key: baked_launch(entry["best"]) for key, entry in buckets.items()},
