@@ -343,13 +343,13 @@ def test_verify_on_cuda_without_a_gpu_fails_with_one_line(tmp_path, interpret):
     assert result.stdout == "" and folder_is_empty(tmp_path)
 
 
-
 @pytest.mark.parametrize("seed", [str(2**64), str(-2**63 - 1)])
 def test_verify_refuses_a_seed_out_of_range_with_one_line(tmp_path, seed):
     """torch's generators take a 64-bit seed: a larger one raised a traceback once the module was built."""
     result = tqgen("verify", K3V4, "--device", "cpu", "--seed", seed, "--cache-dir", tmp_path)
     stderr = assert_one_line_error(result)
     assert f"--seed {seed}" in stderr and result.stdout == "" and folder_is_empty(tmp_path)
+
 
 def test_bench_without_a_gpu_fails_with_one_line():
     assert "needs a CUDA GPU" in assert_one_line_error(tqgen("bench", K3V4))

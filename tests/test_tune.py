@@ -816,7 +816,6 @@ def test_precompile_runs_nothing_on_one_worker_or_off_cuda(setup, monkeypatch):
     assert lines == []
 
 
-
 def test_an_interrupted_precompile_starts_no_more_classes(setup, monkeypatch):
     """Ctrl-C while the candidates compile: the pool's exit waited for every class still queued (each 30-40 s of
     compiling on the H200) before the interrupt got through. Worker threads stand in for the processes."""
