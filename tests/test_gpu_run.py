@@ -75,3 +75,27 @@ def test_a_real_failure_is_logged_once_with_its_message(tmp_path, workers):
                             timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     assert log.read_text().splitlines() == ["test_fails.py::test_fails [call]: AssertionError: three is not four"]
+
+
+@pytest.mark.parametrize("test_args,passed", [
+    ('tests/test_decode_mma.py -k "slots or captured"', ["tests/test_decode_mma.py", "-k", "slots or captured"]),
+    ("", []),
+])
+def test_test_args_reach_pytest_as_shell_words(tmp_path, test_args, passed):
+    """TQGEN_TEST_ARGS is split as a shell would split it: -k "slots or captured" reached pytest as three
+    words ('"slots', 'or', 'captured"') and selected nothing. A stand-in python3 records pytest's arguments and runs
+    everything else with this interpreter."""
+    stand_in = tmp_path / "bin" / "python3"
+    stand_in.parent.mkdir()
+    record = tmp_path / "pytest-args"
+    stand_in.write_text(f'#!/usr/bin/env bash\nif [[ $1 == -m && $2 == pytest ]]; then printf "%s\\n" "${{@:3}}" > '
+                        f'"{record}"; exit 0; fi\nexec "{sys.executable}" "$@"\n')
+    stand_in.chmod(0o755)
+    env = dict(os.environ, PATH=f"{stand_in.parent}{os.pathsep}{os.environ['PATH']}", TQGEN_GPU_STEPS="tests",
+               TQGEN_TEST_ARGS=test_args)
+    script = Path(__file__).resolve().parent.parent / "tools" / "run_gpu.sh"
+    result = subprocess.run(["bash", str(script), str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    arguments = record.read_text().splitlines()
+    assert arguments[arguments.index("--durations=5") + 1:] == passed

@@ -16,8 +16,8 @@
 # merge.log; TQGEN_MERGE_CONFIGS, default k3v4 and k8v4 planes and k3v4 slots).
 # TQGEN_TEST_SHARD=i/n runs the i-th of every n GPU tests (tests/conftest.py).
 # TQGEN_SANITIZE_CONFIGS limits the sanitizers to some configs (default every shipped one, 8 sanitizer processes
-# at a time); TQGEN_TEST_ARGS is passed to pytest (test files, -k), TQGEN_BENCH_CONFIGS replaces the bench's eight
-# shipped head_dim-128 configs.
+# at a time); TQGEN_TEST_ARGS is passed to pytest as shell words (test files, -k "a or b"), TQGEN_BENCH_CONFIGS
+# replaces the bench's eight shipped head_dim-128 configs.
 # OUT_DIR gets these files, by step (the device tool returns no more than 8 from $OUT: every step at once writes 11):
 # pytest-gpu.log, failures.log, tune.log, tuned.tar, sanitize.log (memcheck then racecheck), multi.log, host.log,
 # merge.log, bench.log, bench.json, bench.png.
@@ -35,9 +35,12 @@ if [[ $steps == *tests* ]]; then
     # 600 s on an H100 (2026-12-05): TQGEN_TEST_SHARD=1/2, then 2/2, in two calls. Each failure is appended to
     # failures.log as it happens (tests/conftest.py), so a run stopped by the time limit still names them.
     workers=""; python3 -c "import xdist" 2>/dev/null && workers="-n 8"
+    # TQGEN_TEST_ARGS as shell words, quotes kept (-k "slots or captured" is one argument), without eval.
+    words='import os, shlex; print(end="".join(w + "\n" for w in shlex.split(os.environ.get("TQGEN_TEST_ARGS", ""))))'
+    mapfile -t test_args < <(python3 -c "$words")
     rm -f "$out/failures.log"
     TQGEN_FAILURE_LOG="$out/failures.log" python3 -m pytest -m gpu -q -p no:cacheprovider $workers --durations=5 \
-        ${TQGEN_TEST_ARGS:-} 2>&1 | tee "$out/pytest-gpu.log" | tail -25
+        "${test_args[@]}" 2>&1 | tee "$out/pytest-gpu.log" | tail -25
     rc=${PIPESTATUS[0]}; echo "gpu tests exit code: $rc"; (( rc )) && status=1
     [[ -s $out/failures.log ]] && { echo "failed:"; cut -c1-200 "$out/failures.log"; }
 fi
