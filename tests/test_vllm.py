@@ -640,8 +640,9 @@ def test_a_hadamard_pit_takes_the_stores_walsh_hadamard_path():
 
 def test_default_centroids_of_the_callers_own_take_the_modules_tensor_in_decode():
     """vLLM's copy of the default levels is replaced by the module's own tensor when the two agree in fp16 (what
-    the Gluon decode reads), so that 4-bit keys take decode's symmetric lookup; other centroids are passed on as
-    they are. Decided once per tensor and version: an in-place write is seen."""
+    the Gluon decode reads), so that 4-bit keys take decode's symmetric lookup; other centroids, and 3-bit keys'
+    (which have no such lookup), are passed on as they are. Decided once per tensor and version: an in-place write
+    is seen."""
     module = vllm._module("test", torch.device("cpu"), 128, 16, False, 4, 66, 4, True)
     default = module.default_centroids("cpu")
     copy = (default.double() * (1 + 1e-6)).to(torch.float32)  # another solver's rounding of the same levels
@@ -653,6 +654,10 @@ def test_default_centroids_of_the_callers_own_take_the_modules_tensor_in_decode(
     assert vllm._decode_centroids("test", module, other) is other
     copy[3] += 1e-2  # in place: its version moves
     assert vllm._decode_centroids("test", module, copy) is copy
+    three_bit = vllm._module("test", torch.device("cpu"), 128, 16, False, 3, 50, 4, True)
+    assert module.SYMMETRIC_KEY_LOOKUP and not three_bit.SYMMETRIC_KEY_LOOKUP  # no other lookup to take there
+    levels = three_bit.default_centroids("cpu").clone()
+    assert vllm._decode_centroids("test", three_bit, levels) is levels
 
 
 REFUSALS = [

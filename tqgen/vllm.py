@@ -379,8 +379,8 @@ def _decode_centroids(fn, module, centroids):
     tensor only, and vLLM passes a copy of its own. Decided once per tensor and version outside a capture; a
     tensor first seen inside one keeps its own path, which is correct for any centroids."""
     centroids = _centroids(fn, module, centroids)
-    if not isinstance(centroids, torch.Tensor):
-        return centroids  # the module's launcher refuses it by name
+    if not module.SYMMETRIC_KEY_LOOKUP or not isinstance(centroids, torch.Tensor):
+        return centroids  # the same kernels either way (a non-tensor: the module's launcher refuses it by name)
 
     def is_default(source, capturing):
         if capturing:  # comparing reads values on the host
