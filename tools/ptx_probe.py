@@ -245,6 +245,10 @@ def sass_loop_mix(cubin: bytes) -> str:
     return loop_mix(disassemble(cubin))
 
 
+# A branch's target address: "BRA 0x1e60", "BRA `(.L_x_3) 0x...", or predicated on a second operand "BRA P4, 0x3d90".
+_BRANCH_TARGET = re.compile(r"BRA\s+(?:!?U?P\w+,\s*)?(?:`\()?\S*?0x([0-9a-f]+)")
+
+
 def loop_mix(sass: str) -> str:
     """sass_loop_mix of a cuobjdump listing."""
     instructions = []  # (address, opcode, line)
@@ -254,7 +258,7 @@ def loop_mix(sass: str) -> str:
             instructions.append((int(found.group(1), 16), found.group(2), line))
     loop = None  # (start, end) of the longest backward branch
     for address, opcode, line in instructions:
-        target = re.search(r"BRA\s+(?:!?U?P\w+,\s*)?(?:`\()?\S*?0x([0-9a-f]+)", line) if opcode.startswith("BRA") else None
+        target = _BRANCH_TARGET.search(line) if opcode.startswith("BRA") else None
         if target and int(target.group(1), 16) < address:
             start = int(target.group(1), 16)
             if loop is None or address - start > loop[1] - loop[0]:
@@ -266,7 +270,7 @@ def loop_mix(sass: str) -> str:
     mix = collections.Counter(body).most_common(12)
     skips = []  # instructions jumped over by each predicated forward branch that lands inside the loop
     for address, opcode, line in inside:
-        target = re.search(r"BRA\s+(?:!?U?P\w+,\s*)?(?:`\()?\S*?0x([0-9a-f]+)", line) if opcode.startswith("BRA") else None
+        target = _BRANCH_TARGET.search(line) if opcode.startswith("BRA") else None
         if target and address < int(target.group(1), 16) <= loop[1]:
             skips.append(sum(1 for a, _, _ in inside if address < a < int(target.group(1), 16)))
     branches = f" (forward branches in it skip {', '.join(map(str, skips))})" if skips else ""

@@ -382,15 +382,15 @@ def _decode_centroids(fn, module, centroids):
     if not module.SYMMETRIC_KEY_LOOKUP or not isinstance(centroids, torch.Tensor):
         return centroids  # the same kernels either way (a non-tensor: the module's launcher refuses it by name)
 
-    def is_default(source, capturing):
+    def default_if_equal(source, capturing):
         if capturing:  # comparing reads values on the host
-            return False
+            return None
         default = module.default_centroids(source.device)
-        return source.shape == default.shape and torch.equal(source.to(torch.float16), default.to(torch.float16))
+        same = source.shape == default.shape and torch.equal(source.to(torch.float16), default.to(torch.float16))
+        return default if same else None
 
-    if _derive(("default-centroids", id(module)), centroids, is_default):
-        return module.default_centroids(centroids.device)
-    return centroids
+    default = _derive(("default-centroids", id(module)), centroids, default_if_equal)
+    return centroids if default is None else default
 
 
 def _check_square(fn, name, matrix, head_dim):
