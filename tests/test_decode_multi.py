@@ -474,6 +474,42 @@ def test_the_gluon_multi_token_kernel_on_the_gpu(build_module, monkeypatch, pres
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+@pytest.mark.parametrize("preset", ["k3v4", "k3v3", "k8v4", "k3v4-slots", "k8v4-slots"])
+def test_the_gluon_multi_token_kernel_masks_pages_outside_the_cache(build_module, monkeypatch, preset, num_stages):
+    """validate=False with a block id outside the cache in the middle of each sequence: that page's tokens are
+    masked in a tile that every query token would otherwise see whole (where the kernel skips the token masks),
+    and block 0, which such a page reads, holds NaN fields that must not leak into the output."""
+    preset, _, layout = preset.partition("-")
+    if layout == "slots" and preset != "k8v4" and num_stages == 1:
+        pytest.skip("MSE keys in slots take the Gluon kernel through its ring only")
+    config = make_config(preset, cache_layout=layout or "planes")
+    module = build_module(config)
+    spy = KernelRecorder(module.tq_decode_multi_stage1_mma)
+    monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", spy)
+    batch, cache, query, kwargs = multi_inputs(module, config, [96, 96], "cuda", 4)
+    table = batch.block_table[:, :6].clone()
+    if (table == 0).any():  # block 0 becomes the masked pages' garbage: move its tokens to a spare block
+        spare = sorted(set(range(batch.num_blocks)) - set(table.flatten().tolist()))[0]
+        cache[spare] = cache[0]
+        table[table == 0] = spare
+    cache[0].fill_(0xFF)
+    layout_ = Layout.from_config(config)
+    for bad in (batch.num_blocks, -1, 2**31 - 1):
+        holed = table.clone()
+        holed[0, 1], holed[1, 3] = bad, bad  # positions 16-31 and 48-63, inside the first and second tiles
+        out = module.decode_multi(query, cache, holed, batch.seq_lens, validate=False, num_warps=1, block_kv=32,
+                                  num_splits=1, num_stages=num_stages, **kwargs)
+        assert torch.isfinite(out).all()
+        remaining = torch.stack([table[0, [0, 2, 3, 4, 5]], table[1, [0, 1, 2, 4, 5]]])
+        want = reference.decode_multi(layout_, query, cache, remaining, batch.seq_lens - 16, kwargs.get("rotation"),
+                                      kwargs.get("centroids"))
+        assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32], f"block id {bad}"
+    assert len(spy.launches) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("preset,layout", [("k3v4", "planes"), ("k8v4", "planes"), ("k4v4", "slots")])
 def test_decode_multi_captured_in_a_cuda_graph_replays_for_new_batch_contents(build_module, preset, layout):
     config = make_config(preset, cache_layout=layout)
