@@ -645,6 +645,31 @@ def test_committed_tuned_files_are_current(path):
     assert f"g4_b32_t{16384}" in baked["NVIDIA H200"]["buckets"]
 
 
+
+def test_stale_tuned_lists_the_configs_a_re_tune_must_redo_with_their_group_sizes(tmp_path):
+    """tools/stale_tuned.py (what tools/run_gpu.sh's tune step re-tunes): nothing while the committed files match
+    their kernels; a file timed on other decode code is listed with the group sizes it was tuned for."""
+    import subprocess
+    import sys
+
+    shutil.copytree(REPO / "tuned" / "NVIDIA_H200", tmp_path / "NVIDIA_H200")
+    configs = ["configs/k3v4-d128.yaml", "configs/k3v4-d128-planes.yaml"]
+
+    def stale(device="NVIDIA H200"):
+        result = subprocess.run([sys.executable, "tools/stale_tuned.py", "--tuned-dir", str(tmp_path), "--device",
+                                 device, *configs], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.splitlines()
+
+    assert stale() == []
+    config = config_mod.resolve_arch(config_mod.load(REPO / configs[1]), (9, 0))
+    path = tuned_files.tuned_path(tmp_path, "NVIDIA H200", config)
+    document = json.loads(path.read_text())
+    document["metadata"]["kernel_hash"] = "0" * 64
+    path.write_text(json.dumps(document))
+    assert stale() == ["configs/k3v4-d128-planes.yaml 1 4 8 16"]
+    assert stale("NVIDIA H100 80GB HBM3") == []  # no files for that GPU: nothing to re-tune
+
 def test_only_decode_kernel_edits_invalidate_a_tuned_file(setup, tmp_path, monkeypatch):
     """The tuning is keyed on the code the tuner timed (render.decode_kernel_hash): an edit to the
     code of any definition that decode's launch reaches (its kernels, their helpers, the launch code)

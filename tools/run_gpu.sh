@@ -5,9 +5,10 @@
 # The full grid of BENCHMARKS.md: TQGEN_BENCH_ARGS="--batch 1 8 32 64 128 --context 1024 4096 16384 65536".
 # Usage (on a CUDA machine, from the repository root): bash tools/run_gpu.sh [OUT_DIR]
 # TQGEN_GPU_STEPS picks steps (default "tests sanitize bench"; "tune" re-tunes TQGEN_TUNE_CONFIGS, default the
-# four planes configs, as the committed planes files were tuned (tqgen tune's default 1, 4, 8 and 16 query heads
-# per KV head, or TQGEN_TUNE_GROUPS; TQGEN_TUNE_BATCHES limits the batches; about 4.5 minutes a config on the H200:
-# docs/tuning.md), and packs
+# configs whose committed tuned files for this GPU are stale (tools/stale_tuned.py), each for the query heads per KV
+# head its file has (the planes files 1, 4, 8 and 16, the slots files 4; TQGEN_TUNE_GROUPS for all, and tqgen tune's
+# default 1, 4, 8 and 16 for configs named); TQGEN_TUNE_BATCHES limits the batches; about 4.5 minutes a planes
+# config on the H200: docs/tuning.md), and packs
 # the tuned files written so far into OUT_DIR/tuned.tar after each config (`tar -xf tuned.tar` in the checkout
 # restores them): a call that runs out of time keeps the configs it finished; "multi" times decode_multi
 # at q_len 1-8 against decode, tools/bench_decode_multi.py, before the benchmark; "host" the host time of eager
@@ -46,15 +47,25 @@ if [[ $steps == *tests* ]]; then
 fi
 if [[ $steps == *tune* ]]; then
     started=$(mktemp)  # outside OUT: the device tool returns few files
-    for config in ${TQGEN_TUNE_CONFIGS:-configs/k8v4-d128-planes.yaml configs/k4v4-d128-planes.yaml \
-                   configs/k3v4-d128-planes.yaml configs/k3v3-d128-planes.yaml}; do
+    # Lines of "CONFIG GROUP_SIZE...": the configs named, else those whose tuned files for this GPU are stale, each
+    # with the group sizes its file was tuned for (tools/stale_tuned.py).
+    if [[ -n ${TQGEN_TUNE_CONFIGS:-} ]]; then
+        plan=$(for config in $TQGEN_TUNE_CONFIGS; do echo "$config"; done)
+    else
+        device=$(python3 -c "import torch; print(torch.cuda.get_device_name())")
+        plan=$(python3 tools/stale_tuned.py --device "$device") || status=1
+        [[ -z $plan ]] && echo "tune: every committed tuned file for $device is current"
+    fi
+    while read -r config groups; do
+        [[ -z $config ]] && continue
+        groups=${TQGEN_TUNE_GROUPS:-$groups}
         python3 -m tqgen.cli tune "$config" --warps 1 --stages 1 2 --block-kv 32 64 \
-            ${TQGEN_TUNE_GROUPS:+--group-size $TQGEN_TUNE_GROUPS} ${TQGEN_TUNE_BATCHES:+--batch $TQGEN_TUNE_BATCHES} \
-            --force >> "$out/tune.log" 2>&1
+            ${groups:+--group-size $groups} ${TQGEN_TUNE_BATCHES:+--batch $TQGEN_TUNE_BATCHES} \
+            --force >> "$out/tune.log" 2>&1 < /dev/null
         rc=$?; tail -1 "$out/tune.log"; echo "tune $config exit code: $rc"; (( rc )) && status=1
         written=$(find tuned -name '*.json' -newer "$started")  # what this step wrote so far, as one file
         [[ -n $written ]] && tar -cf "$out/tuned.tar" $written
-    done
+    done <<< "$plan"
 fi
 if [[ $steps == *sanitize* ]]; then
     # One compute-sanitizer process per config and tool, 8 at a time (each is bound by its own host work, and a

@@ -1,0 +1,65 @@
+"""The configs whose committed tuned files for one GPU no longer match their decode kernels: what a re-tune must redo.
+
+    python3 tools/stale_tuned.py [--device "NVIDIA H200"] [--tuned-dir tuned] [CONFIG ...]
+
+A tuned file holds the launches timed on one version of the decode code (its `kernel_hash`); after a change to
+the decode kernels a build ignores it and `test_committed_tuned_files_are_current` fails, until the config is
+re-tuned on that GPU. Prints one line per such config (default: every shipped config; the arch is the device's,
+sm90 for the H100 and H200): the config's path and the query heads per KV head its file was tuned for, as
+`tqgen tune --group-size` takes them, so that the re-tune covers what the file covered (the planes files have
+1, 4, 8 and 16; the slots files 4). Prints nothing when every file is current or absent. tools/run_gpu.sh's tune
+step re-tunes these for the GPU it runs on unless TQGEN_TUNE_CONFIGS names configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tqgen import config as config_mod  # noqa: E402
+from tqgen import tuned_files  # noqa: E402
+
+# Compute capability of the devices tqgen ships tuned files for, by name (the arch their kernels are built for).
+DEVICE_CAPABILITY = {"NVIDIA H200": (9, 0), "NVIDIA H100 80GB HBM3": (9, 0)}
+
+
+def stale_configs(paths, device: str, tuned_dir: Path) -> list[tuple[Path, list[int]]]:
+    """(config path, group sizes of its file) for each config whose file for `device` a build would ignore."""
+    capability = DEVICE_CAPABILITY.get(device, (9, 0))
+    stale = []
+    for path in paths:
+        config = config_mod.resolve_arch(config_mod.load(path if Path(path).exists() else REPO / path), capability)
+        tuned = tuned_files.tuned_path(tuned_dir, device, config)
+        if not tuned.is_file():
+            continue
+        if device in tuned_files.baked_launches(tuned_dir, config, lambda message: None):
+            continue
+        try:
+            buckets = json.loads(tuned.read_text()).get("buckets", {})
+        except (OSError, ValueError, AttributeError) as exc:
+            sys.exit(f"{tuned}: unreadable ({exc}); re-tune {path} with the group sizes you need")
+        groups = sorted({entry["group_size"] for entry in buckets.values()}) or [4]
+        stale.append((Path(path), groups))
+    return stale
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("configs", nargs="*", help="default: every config in configs/")
+    parser.add_argument("--device", default="NVIDIA H200", help="the GPU's name, as torch reports it")
+    parser.add_argument("--tuned-dir", type=Path, default=REPO / "tuned")
+    args = parser.parse_args()
+    if not args.tuned_dir.is_dir():
+        sys.exit(f"--tuned-dir {args.tuned_dir}: no such folder")
+    paths = args.configs or sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.yaml"))
+    for path, groups in stale_configs(paths, args.device, args.tuned_dir):
+        print(path, *groups)
+
+
+if __name__ == "__main__":
+    main()
