@@ -101,16 +101,17 @@ def test_test_args_reach_pytest_as_shell_words(tmp_path, test_args, passed):
     assert arguments[arguments.index("--durations=5") + 1:] == passed
 
 
-def run_tune_step(tmp_path, stale_lines, **variables):
+def run_tune_step(tmp_path, stale_lines, stale_status=0, status=0, **variables):
     """tools/run_gpu.sh's tune step under a stand-in python3 that says the GPU is an H200, answers
-    tools/stale_tuned.py with `stale_lines` and records each `tqgen.cli tune` call's arguments (one line each)."""
+    tools/stale_tuned.py with `stale_lines` and exit status `stale_status` and records each `tqgen.cli tune` call's
+    arguments (one line each); the script must exit with `status`."""
     stand_in = tmp_path / "bin" / "python3"
     stand_in.parent.mkdir(parents=True)
     calls = tmp_path / "tune-calls"
     stand_in.write_text(
         "#!/usr/bin/env bash\n"
         'if [[ $1 == -c ]]; then echo "NVIDIA H200"; exit 0; fi\n'
-        f'if [[ $1 == tools/stale_tuned.py ]]; then printf "{stale_lines}"; exit 0; fi\n'
+        f'if [[ $1 == tools/stale_tuned.py ]]; then printf "{stale_lines}"; exit {stale_status}; fi\n'
         f'if [[ $1 == -m && $2 == tqgen.cli && $3 == tune ]]; then echo "${{*:4}}" >> "{calls}"; exit 0; fi\n'
         "exit 3\n")
     stand_in.chmod(0o755)
@@ -119,7 +120,7 @@ def run_tune_step(tmp_path, stale_lines, **variables):
     script = Path(__file__).resolve().parent.parent / "tools" / "run_gpu.sh"
     result = subprocess.run(["bash", str(script), str(tmp_path / "out")], env=env, capture_output=True, text=True,
                             timeout=120, cwd=script.parent.parent)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == status, result.stdout + result.stderr
     return result.stdout, calls.read_text().splitlines() if calls.exists() else []
 
 
@@ -134,7 +135,7 @@ def test_the_tune_step_retunes_the_stale_files_with_their_own_group_sizes(tmp_pa
 
 def test_the_tune_step_says_so_when_nothing_is_stale(tmp_path):
     out, calls = run_tune_step(tmp_path, "")
-    assert calls == [] and "every committed tuned file for NVIDIA H200 is current" in out
+    assert calls == [] and "no committed tuned file for NVIDIA H200 is stale" in out
 
 
 def test_named_configs_and_group_sizes_replace_the_stale_list(tmp_path):
@@ -144,3 +145,13 @@ def test_named_configs_and_group_sizes_replace_the_stale_list(tmp_path):
     _, calls = run_tune_step(tmp_path / "again", "configs/k3v4-d128.yaml 4\\n",
                              TQGEN_TUNE_CONFIGS="configs/k8v4-d128.yaml")
     assert calls == [f"configs/k8v4-d128.yaml {TUNE_FLAGS} --force"]  # tqgen tune's own default group sizes
+
+
+def test_the_tune_step_fails_when_the_stale_list_does_and_still_retunes_what_it_listed(tmp_path):
+    """tools/stale_tuned.py exits 1 over a file it cannot read, after listing the configs it could: those are still
+    re-tuned, the step fails, and it never says that every file is current."""
+    out, calls = run_tune_step(tmp_path, "configs/k3v4-d128.yaml 4\\n", stale_status=1, status=1)
+    assert calls == [f"configs/k3v4-d128.yaml {TUNE_FLAGS} --group-size 4 --force"]
+    assert "is current" not in out and "tools/stale_tuned.py failed" in out
+    out, calls = run_tune_step(tmp_path / "again", "", stale_status=1, status=1)
+    assert calls == [] and "is current" not in out and "tools/stale_tuned.py failed" in out

@@ -645,7 +645,6 @@ def test_committed_tuned_files_are_current(path):
     assert f"g4_b32_t{16384}" in baked["NVIDIA H200"]["buckets"]
 
 
-
 def test_stale_tuned_lists_the_configs_a_re_tune_must_redo_with_their_group_sizes(tmp_path):
     """tools/stale_tuned.py (what tools/run_gpu.sh's tune step re-tunes): nothing while the committed files match
     their kernels; a file timed on other decode code is listed with the group sizes it was tuned for."""
@@ -669,6 +668,41 @@ def test_stale_tuned_lists_the_configs_a_re_tune_must_redo_with_their_group_size
     path.write_text(json.dumps(document))
     assert stale() == ["configs/k3v4-d128-planes.yaml 1 4 8 16"]
     assert stale("NVIDIA H100 80GB HBM3") == []  # no files for that GPU: nothing to re-tune
+
+
+def test_stale_tuned_lists_the_rest_past_a_damaged_tuned_file_and_fails_in_one_line(tmp_path):
+    """A tuned file that is not JSON, or JSON of another shape, is stale too (a build ignores it), but its group
+    sizes are unknown: one line on stderr names it, the configs after it are still listed, and the exit status is 1.
+    A config that does not exist is one line naming it, not a traceback."""
+    import subprocess
+    import sys
+
+    shutil.copytree(REPO / "tuned" / "NVIDIA_H200", tmp_path / "NVIDIA_H200")
+    damaged = {"configs/k3v4-d128.yaml": "{not json", "configs/k8v4-d128.yaml": json.dumps({"buckets": [1]}),
+               "configs/k4v4-d128.yaml": json.dumps({"metadata": {}, "buckets": {"g4_b32_t8192": {}}})}
+    for config_path, text in damaged.items():
+        config = config_mod.resolve_arch(config_mod.load(REPO / config_path), (9, 0))
+        tuned_files.tuned_path(tmp_path, "NVIDIA H200", config).write_text(text)
+    config = config_mod.resolve_arch(config_mod.load(REPO / "configs/k3v4-d128-planes.yaml"), (9, 0))
+    path = tuned_files.tuned_path(tmp_path, "NVIDIA H200", config)
+    document = json.loads(path.read_text())
+    document["metadata"]["kernel_hash"] = "0" * 64
+    path.write_text(json.dumps(document))
+
+    def stale(*configs):
+        return subprocess.run([sys.executable, "tools/stale_tuned.py", "--tuned-dir", str(tmp_path), *configs],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    result = stale(*damaged, "configs/k3v4-d128-planes.yaml")
+    assert result.returncode == 1 and result.stdout.splitlines() == ["configs/k3v4-d128-planes.yaml 1 4 8 16"]
+    errors = result.stderr.splitlines()
+    assert len(errors) == 3 and "Traceback" not in result.stderr, result.stderr
+    for error, config_path in zip(errors, damaged):
+        assert "NVIDIA_H200/tq_" in error and config_path in error, error
+    result = stale("configs/no-such-config.yaml")
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "no-such-config.yaml" in result.stderr
+
 
 def test_only_decode_kernel_edits_invalidate_a_tuned_file(setup, tmp_path, monkeypatch):
     """The tuning is keyed on the code the tuner timed (render.decode_kernel_hash): an edit to the

@@ -7,8 +7,9 @@ the decode kernels a build ignores it and `test_committed_tuned_files_are_curren
 re-tuned on that GPU. Prints one line per such config (default: every shipped config; the arch is the device's,
 sm90 for the H100 and H200): the config's path and the query heads per KV head its file was tuned for, as
 `tqgen tune --group-size` takes them, so that the re-tune covers what the file covered (the planes files have
-1, 4, 8 and 16; the slots files 4). Prints nothing when every file is current or absent. tools/run_gpu.sh's tune
-step re-tunes these for the GPU it runs on unless TQGEN_TUNE_CONFIGS names configs.
+1, 4, 8 and 16; the slots files 4). Prints nothing when every file is current or absent. A file too damaged to
+say its group sizes is named on stderr after the list, and the exit status is 1. tools/run_gpu.sh's tune step
+re-tunes these for the GPU it runs on unless TQGEN_TUNE_CONFIGS names configs.
 """
 
 from __future__ import annotations
@@ -23,28 +24,36 @@ sys.path.insert(0, str(REPO))
 
 from tqgen import config as config_mod  # noqa: E402
 from tqgen import tuned_files  # noqa: E402
+from tqgen.errors import TqgenError  # noqa: E402
 
 # Compute capability of the devices tqgen ships tuned files for, by name (the arch their kernels are built for).
 DEVICE_CAPABILITY = {"NVIDIA H200": (9, 0), "NVIDIA H100 80GB HBM3": (9, 0)}
 
 
-def stale_configs(paths, device: str, tuned_dir: Path) -> list[tuple[Path, list[int]]]:
-    """(config path, group sizes of its file) for each config whose file for `device` a build would ignore."""
+def stale_configs(paths, device: str, tuned_dir: Path, problems: list[str]) -> list[tuple[Path, list[int]]]:
+    """(config path, group sizes of its file) for each config whose file for `device` a build would ignore; a line
+    in `problems` for each such file too damaged to say its group sizes (the configs after it are still listed)."""
     capability = DEVICE_CAPABILITY.get(device, (9, 0))
     stale = []
     for path in paths:
-        config = config_mod.resolve_arch(config_mod.load(path if Path(path).exists() else REPO / path), capability)
+        try:
+            config = config_mod.resolve_arch(config_mod.load(path if Path(path).exists() else REPO / path), capability)
+        except TqgenError as exc:
+            sys.exit(f"stale_tuned: {exc}")
         tuned = tuned_files.tuned_path(tuned_dir, device, config)
         if not tuned.is_file():
             continue
         if device in tuned_files.baked_launches(tuned_dir, config, lambda message: None):
             continue
         try:
-            buckets = json.loads(tuned.read_text()).get("buckets", {})
-        except (OSError, ValueError, AttributeError) as exc:
-            sys.exit(f"{tuned}: unreadable ({exc}); re-tune {path} with the group sizes you need")
-        groups = sorted({entry["group_size"] for entry in buckets.values()}) or [4]
-        stale.append((Path(path), groups))
+            groups = sorted({entry["group_size"] for entry in json.loads(tuned.read_text())["buckets"].values()})
+            if not all(type(group) is int and group > 0 for group in groups):
+                raise ValueError(f"group sizes {groups}")
+        except (OSError, ValueError, LookupError, TypeError, AttributeError) as exc:
+            problems.append(f"{tuned}: damaged, its group sizes unknown ({type(exc).__name__}: {exc}); re-tune "
+                            f"{path} with `tqgen tune --force --group-size ...`")
+            continue
+        stale.append((Path(path), groups or [4]))
     return stale
 
 
@@ -57,8 +66,12 @@ def main() -> None:
     if not args.tuned_dir.is_dir():
         sys.exit(f"--tuned-dir {args.tuned_dir}: no such folder")
     paths = args.configs or sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.yaml"))
-    for path, groups in stale_configs(paths, args.device, args.tuned_dir):
+    problems = []
+    for path, groups in stale_configs(paths, args.device, args.tuned_dir, problems):
         print(path, *groups)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    sys.exit(1 if problems else 0)
 
 
 if __name__ == "__main__":
