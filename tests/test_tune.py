@@ -704,6 +704,27 @@ def test_stale_tuned_lists_the_rest_past_a_damaged_tuned_file_and_fails_in_one_l
     assert len(result.stderr.splitlines()) == 1 and "no-such-config.yaml" in result.stderr
 
 
+def test_stale_tuned_reads_the_shipped_configs_whatever_the_working_directory(tmp_path):
+    """Run from elsewhere (another checkout, whose configs/ may differ), the default list is this repository's
+    configs; a config named relative to the working directory is read there, else in the repository."""
+    import subprocess
+    import sys
+
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "configs").mkdir(parents=True)
+    (elsewhere / "configs" / "k3v4-d128-planes.yaml").write_text("not: [a, config\n")
+    shutil.copy(REPO / "configs" / "k8v4-d128.yaml", elsewhere / "mine.yaml")
+
+    def stale(*configs):
+        result = subprocess.run([sys.executable, str(REPO / "tools" / "stale_tuned.py"), *configs], cwd=elsewhere,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.splitlines()
+
+    assert stale() == []
+    assert stale("mine.yaml", "configs/k3v4-d128.yaml") == []
+
+
 def test_only_decode_kernel_edits_invalidate_a_tuned_file(setup, tmp_path, monkeypatch):
     """The tuning is keyed on the code the tuner timed (render.decode_kernel_hash): an edit to the
     code of any definition that decode's launch reaches (its kernels, their helpers, the launch code)

@@ -65,10 +65,12 @@ def main() -> None:
     args = parser.parse_args()
     if not args.tuned_dir.is_dir():
         sys.exit(f"--tuned-dir {args.tuned_dir}: no such folder")
-    paths = args.configs or sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.yaml"))
+    # The shipped configs by their full path: a configs/ in the working directory (another checkout's) is not
+    # this repository's; printed relative to the repository, where tools/run_gpu.sh runs.
+    paths = args.configs or sorted((REPO / "configs").glob("*.yaml"))
     problems = []
     for path, groups in stale_configs(paths, args.device, args.tuned_dir, problems):
-        print(path, *groups)
+        print(path if args.configs else path.relative_to(REPO), *groups)
     for problem in problems:
         print(problem, file=sys.stderr)
     sys.exit(1 if problems else 0)
