@@ -102,16 +102,18 @@ def test_test_args_reach_pytest_as_shell_words(tmp_path, test_args, passed):
 
 
 def run_tune_step(tmp_path, stale_lines, stale_status=0, status=0, **variables):
-    """tools/run_gpu.sh's tune step under a stand-in python3 that says the GPU is an H200, answers
-    tools/stale_tuned.py with `stale_lines` and exit status `stale_status` and records each `tqgen.cli tune` call's
-    arguments (one line each); the script must exit with `status`."""
+    """tools/run_gpu.sh's tune step under a stand-in python3 that says the GPU is an H200 (sm90), answers
+    tools/stale_tuned.py with `stale_lines` and exit status `stale_status` (its arguments into stale-call) and
+    records each `tqgen.cli tune` call's arguments (one line each); the script must exit with `status`."""
     stand_in = tmp_path / "bin" / "python3"
     stand_in.parent.mkdir(parents=True)
     calls = tmp_path / "tune-calls"
     stand_in.write_text(
         "#!/usr/bin/env bash\n"
+        'if [[ $1 == -c && $2 == *capability* ]]; then echo "9.0 NVIDIA H200"; exit 0; fi\n'
         'if [[ $1 == -c ]]; then echo "NVIDIA H200"; exit 0; fi\n'
-        f'if [[ $1 == tools/stale_tuned.py ]]; then printf "{stale_lines}"; exit {stale_status}; fi\n'
+        f'if [[ $1 == tools/stale_tuned.py ]]; then echo "$*" > "{tmp_path}/stale-call"; printf "{stale_lines}"; '
+        f'exit {stale_status}; fi\n'
         f'if [[ $1 == -m && $2 == tqgen.cli && $3 == tune ]]; then echo "${{*:4}}" >> "{calls}"; exit 0; fi\n'
         "exit 3\n")
     stand_in.chmod(0o755)
@@ -131,6 +133,8 @@ def test_the_tune_step_retunes_the_stale_files_with_their_own_group_sizes(tmp_pa
     _, calls = run_tune_step(tmp_path, "configs/k3v4-d128.yaml 4\\nconfigs/k3v4-d128-planes.yaml 1 4 8 16\\n")
     assert calls == [f"configs/k3v4-d128.yaml {TUNE_FLAGS} --group-size 4 --force",
                      f"configs/k3v4-d128-planes.yaml {TUNE_FLAGS} --group-size 1 4 8 16 --force"]
+    # The device's name and capability: files of a GPU of another arch have its arch in their names.
+    assert (tmp_path / "stale-call").read_text() == "tools/stale_tuned.py --device NVIDIA H200 --capability 9.0\n"
 
 
 def test_the_tune_step_says_so_when_nothing_is_stale(tmp_path):

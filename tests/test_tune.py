@@ -725,6 +725,35 @@ def test_stale_tuned_reads_the_shipped_configs_whatever_the_working_directory(tm
     assert stale("mine.yaml", "configs/k3v4-d128.yaml") == []
 
 
+def test_stale_tuned_finds_the_files_of_a_gpu_of_another_arch(tmp_path):
+    """A GPU not in its table has its files under its own arch's names: --capability says which (tools/run_gpu.sh
+    passes torch's), and without it such a GPU's folder is a one-line error, not a silent empty list; a GPU with no
+    folder is a note that there is nothing to re-tune."""
+    import subprocess
+    import sys
+
+    device = "NVIDIA A100-SXM4-80GB"
+    config = config_mod.resolve_arch(config_mod.load(REPO / "configs/k3v4-d128-planes.yaml"), (8, 0))
+    path = tuned_files.tuned_path(tmp_path, device, config)
+    path.parent.mkdir()
+    document = json.loads((REPO / "tuned" / "NVIDIA_H200" / path.name.replace("sm80", "sm90")).read_text())
+    document["metadata"]["device_name"] = device  # and a kernel_hash of sm90's kernels: stale for sm80
+    path.write_text(json.dumps(document))
+
+    def stale(*arguments):
+        return subprocess.run([sys.executable, "tools/stale_tuned.py", "--tuned-dir", str(tmp_path), *arguments,
+                               "configs/k3v4-d128-planes.yaml"], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    result = stale("--device", device, "--capability", "8.0")
+    assert result.returncode == 0 and result.stdout.splitlines() == ["configs/k3v4-d128-planes.yaml 1 4 8 16"]
+    result = stale("--device", device)
+    assert result.returncode != 0 and len(result.stderr.splitlines()) == 1 and "--capability" in result.stderr
+    result = stale("--device", device, "--capability", "eight")
+    assert result.returncode != 0 and "--capability" in result.stderr and "Traceback" not in result.stderr
+    result = stale("--device", "NVIDIA B200")
+    assert result.returncode == 0 and result.stdout == "" and "no tuned files for NVIDIA B200" in result.stderr
+
+
 def test_only_decode_kernel_edits_invalidate_a_tuned_file(setup, tmp_path, monkeypatch):
     """The tuning is keyed on the code the tuner timed (render.decode_kernel_hash): an edit to the
     code of any definition that decode's launch reaches (its kernels, their helpers, the launch code)

@@ -52,9 +52,11 @@ if [[ $steps == *tune* ]]; then
     if [[ -n ${TQGEN_TUNE_CONFIGS:-} ]]; then
         plan=$(for config in $TQGEN_TUNE_CONFIGS; do echo "$config"; done)
     else
-        device=$(python3 -c "import torch; print(torch.cuda.get_device_name())")
+        # The capability names the arch of the GPU's files (stale_tuned.py knows only the H100's and H200's).
+        read -r capability device < <(python3 -c \
+            "import torch; print('%d.%d' % torch.cuda.get_device_capability(), torch.cuda.get_device_name())")
         # A failure (a tuned file it cannot read) comes after the configs it could list: those are still re-tuned.
-        if plan=$(python3 tools/stale_tuned.py --device "$device"); then
+        if plan=$(python3 tools/stale_tuned.py --device "$device" --capability "$capability"); then
             [[ -z $plan ]] && echo "tune: no committed tuned file for $device is stale (TQGEN_TUNE_CONFIGS names some)"
         else
             status=1; echo "tune: tools/stale_tuned.py failed (its error is in the output); re-tuning what it listed"

@@ -1,15 +1,16 @@
 """The configs whose committed tuned files for one GPU no longer match their decode kernels: what a re-tune must redo.
 
-    python3 tools/stale_tuned.py [--device "NVIDIA H200"] [--tuned-dir tuned] [CONFIG ...]
+    python3 tools/stale_tuned.py [--device "NVIDIA H200"] [--capability 9.0] [--tuned-dir tuned] [CONFIG ...]
 
 A tuned file holds the launches timed on one version of the decode code (its `kernel_hash`); after a change to
 the decode kernels a build ignores it and `test_committed_tuned_files_are_current` fails, until the config is
 re-tuned on that GPU. Prints one line per such config (default: every shipped config; the arch is the device's,
-sm90 for the H100 and H200): the config's path and the query heads per KV head its file was tuned for, as
-`tqgen tune --group-size` takes them, so that the re-tune covers what the file covered (the planes files have
-1, 4, 8 and 16; the slots files 4). Prints nothing when every file is current or absent. A file too damaged to
-say its group sizes is named on stderr after the list, and the exit status is 1. tools/run_gpu.sh's tune step
-re-tunes these for the GPU it runs on unless TQGEN_TUNE_CONFIGS names configs.
+from --capability, which the H100 and H200 need not be given): the config's path and the query heads per KV head
+its file was tuned for, as `tqgen tune --group-size` takes them, so that the re-tune covers what the file covered
+(the planes files have 1, 4, 8 and 16; the slots files 4). Prints nothing when every file is current or absent
+(a GPU without a tuned folder: a note on stderr). A file too damaged to say its group sizes is named on stderr
+after the list, and the exit status is 1. tools/run_gpu.sh's tune step re-tunes these for the GPU it runs on
+unless TQGEN_TUNE_CONFIGS names configs.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from tqgen.errors import TqgenError  # noqa: E402
 DEVICE_CAPABILITY = {"NVIDIA H200": (9, 0), "NVIDIA H100 80GB HBM3": (9, 0)}
 
 
-def stale_configs(paths, device: str, tuned_dir: Path, problems: list[str]) -> list[tuple[Path, list[int]]]:
+def stale_configs(paths, device: str, capability: tuple[int, int], tuned_dir: Path,
+                  problems: list[str]) -> list[tuple[Path, list[int]]]:
     """(config path, group sizes of its file) for each config whose file for `device` a build would ignore; a line
     in `problems` for each such file too damaged to say its group sizes (the configs after it are still listed)."""
-    capability = DEVICE_CAPABILITY.get(device, (9, 0))
     stale = []
     for path in paths:
         try:
@@ -61,15 +62,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("configs", nargs="*", help="default: every config in configs/")
     parser.add_argument("--device", default="NVIDIA H200", help="the GPU's name, as torch reports it")
+    parser.add_argument("--capability", metavar="MAJOR.MINOR",
+                        help="the GPU's compute capability, which names its files' arch (default: known for "
+                             + ", ".join(DEVICE_CAPABILITY) + ")")
     parser.add_argument("--tuned-dir", type=Path, default=REPO / "tuned")
     args = parser.parse_args()
     if not args.tuned_dir.is_dir():
         sys.exit(f"--tuned-dir {args.tuned_dir}: no such folder")
+    capability = DEVICE_CAPABILITY.get(args.device)
+    if args.capability is not None:
+        major, _, minor = args.capability.partition(".")
+        if not (major.isdigit() and minor.isdigit()):
+            sys.exit(f"stale_tuned: --capability {args.capability!r}: expected MAJOR.MINOR, like 9.0")
+        capability = (int(major), int(minor))
+    folder = args.tuned_dir / tuned_files.device_folder_name(args.device)
+    if not folder.is_dir():
+        print(f"stale_tuned: no tuned files for {args.device} (no folder {folder}): nothing to re-tune",
+              file=sys.stderr)
+        return
+    if capability is None:  # its files are named for its arch: guessed wrong, every one would look absent
+        sys.exit(f"stale_tuned: the compute capability of {args.device} is not known here: pass --capability "
+                 f"MAJOR.MINOR")
     # The shipped configs by their full path: a configs/ in the working directory (another checkout's) is not
     # this repository's; printed relative to the repository, where tools/run_gpu.sh runs.
     paths = args.configs or sorted((REPO / "configs").glob("*.yaml"))
     problems = []
-    for path, groups in stale_configs(paths, args.device, args.tuned_dir, problems):
+    for path, groups in stale_configs(paths, args.device, capability, args.tuned_dir, problems):
         print(path if args.configs else path.relative_to(REPO), *groups)
     for problem in problems:
         print(problem, file=sys.stderr)
