@@ -10,7 +10,7 @@
    leaving its result in shared memory and arriving on an mbarrier, and the default partition (which must
    be a multiple of 4 warps) merging the four after the region. Triton 3.6 and 3.9 compile it (8 warps a
    CTA, setmaxnreg per partition). The decode built this way ran as the split_warps variants of stage 1
-   (tools/stage1_variants.py; slower, docs/limits.md "Small batches").
+   (slower, docs/limits.md "Small batches"; removed since, their code at commit 627aebf).
 
 No GPU needed; the result follows the local triton version.
 """

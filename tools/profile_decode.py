@@ -2,7 +2,7 @@
 
     ncu --clock-control none -k regex:tq_decode_stage1 -s 2 -c 1 --section SpeedOfLight \\
         --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \\
-        python3 tools/profile_decode.py 32x16384 configs/k3v4-d128-planes.yaml [--variant pair_table]
+        python3 tools/profile_decode.py 32x16384 configs/k3v4-d128-planes.yaml [--variant load_only]
         [--block-kv 32 --stages 2 --splits 16] [--q-heads 128]
 
 Each config decodes a random full-length batch (`tqgen.testing.random_problem`, 32 query heads unless

@@ -120,8 +120,7 @@ def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_lau
     extra = {"rotate_query": True} if rotate_query else {}
     constants = module._mma_stage1_constants(block_kv, group_size, dependent_launch, stages, **extra)
     cache_constants, aligned = _slots_cache_specialization(module, head_major)
-    # The split_warps experiment (plan.STAGE1_VARIANTS) launches its CTAs with options of its own.
-    options = dict(getattr(module, "_split_warps_options", module._mma_stage1_options)(block_kv, group_size))
+    options = dict(module._mma_stage1_options(block_kv, group_size))
     return _compile_sm90(module.tq_decode_stage1_mma, {**constants, **cache_constants}, POINTER_TYPES, aligned,
                          options.pop("num_warps"), 1, GluonASTSource, **options)
 

@@ -15,16 +15,9 @@ plan.STAGE1_VARIANTS), not by editing rendered text:
                 chains), all lop3 (the integer pipe) or all fp32 fma (the FMA pipes): the same count either way, so
                 the two times say which pipe the kernel's time follows, and each against shipped what one more
                 instruction per tile costs;
-- pair_table, pair_table16 (split 3-bit keys): the key lookups from a table of fp16 pairs in shared memory;
-- split_warps1, split_warps2, split_warps4 (right results): the kernel's body as 1, 2 or 4 one-warp workers a CTA
-                (gl.warp_specialize) on consecutive splits of one (sequence, KV head), their partials merged in
-                shared memory by the CTA's 4 other warps; the launch's split count counts the workers' splits.
-- prefetch_next (right results; 1 stage): each tile's block ids read one loop pass ahead, and its pages' 128-byte
-                lines requested into L2 then (prefetch.global.L2, one line a lane), the first tile's before the
-                query's load and rotation: what a lone warp's chain of loads at small batches gains from it.
-- vector_partials (compiled for sm90, not yet run on a GPU): the partials stored 16 bytes at a time (out^T's rows
-                put in head-dim order first) instead of 32 scalar stores a lane, each behind a branch on the head
-                mask.
+- vector_partials (right results): the partials stored 16 bytes at a time (out^T's rows put in head-dim order
+                first) instead of 32 scalar stores a lane, each behind a branch on the head mask.
+(Variants measured, lost and removed: plan.py names them; their code is at commit 627aebf.)
 Each is timed as a whole decode call (CUDA-graph replay, the shipped launch of the shape, the same random
 cache), with the copy ceiling measured in the same run: load_only and compute_only with their words loaded
 where used (num_stages 1), the others with the launch's stages; the first column times the shipped launch as
@@ -33,7 +26,7 @@ bounds what the instructions cost; the load-only time what the bytes cost at the
 the shipped time is near their sum, loads and compute do not overlap.
 --compile-only compiles each variant offline for sm90 (no GPU) and prints registers and SASS counts.
 --write-modules DIR writes each variant's module, rendered for sm90, as DIR/ARTIFACT_VARIANT.py, for
-tools/ab_modules.py to time at launches of its choice (for the split_warps variants, which change what a launch is).
+tools/ab_modules.py to time at launches of its choice.
 """
 
 from __future__ import annotations
@@ -73,7 +66,7 @@ def compile_only(configs) -> None:
 
 
 # The variants without a ring (their loads are where they are used, or gone); the others run the launch's stages.
-ONE_STAGE_VARIANTS = ("load_only", "compute_only", "prefetch_next")
+ONE_STAGE_VARIANTS = ("load_only", "compute_only")
 
 
 def _stages_label(variant):

@@ -63,18 +63,14 @@ def next_power_of_two(n: int) -> int:
 # Variants of the Gluon stage 1 that tools/stage1_variants.py times beside the shipped kernel (MSE keys):
 # "load_only" keeps every global load of the loop and drops the decode and the MMAs (the loaded words are
 # folded into a result, so the loads stay); "compute_only" keeps the decode and the MMAs and loads nothing
-# in the loop (its words are made from the addresses, in registers); "pair_table" (split 3-bit keys) looks each
-# pair of key codes up in a per-lane table of fp16 pairs in shared memory, reading a lane's three key words as one
-# 96-bit stream of 6-bit pair indices (the packed order, which planes does not store: wrong results on purpose,
-# the instruction mix of that decode); "pair_table16" shares each copy of the table between lanes l and l + 16
-# (half its shared memory, two ways of bank conflict). "extra_alu" and "extra_fma" add 80 independent instructions
-# per tile on the integer pipe (lop3) or the FMA pipe (ffma) to the shipped kernel, whose results reach the output:
-# how much a tile's time grows with each pipe's load tells which one the kernel waits on. "split_warpsN" (the
-# variants whose results are right) run the kernel's body as N one-warp workers a CTA (gl.warp_specialize) on
-# consecutive splits of one (sequence, KV head), whose partials the CTA's 4 other warps merge in shared memory (the
-# small-batch design of docs/limits.md; decode/stage1_mma_split_warps.jinja). Modules render "shipped".
-STAGE1_VARIANTS = ("shipped", "load_only", "compute_only", "pair_table", "pair_table16", "extra_alu", "extra_fma",
-                   "split_warps1", "split_warps2", "split_warps4", "prefetch_next", "vector_partials")
+# in the loop (its words are made from the addresses, in registers). "extra_alu" and "extra_fma" add 80 independent
+# instructions per tile on the integer pipe (lop3) or the FMA pipe (ffma) to the shipped kernel, whose results
+# reach the output: how much a tile's time grows with each pipe's load tells which one the kernel waits on.
+# "vector_partials" stores the partials 16 bytes a lane, as decode_multi's kernel does. Modules render "shipped".
+# Experiments that were measured, lost and were removed (docs/limits.md has their numbers; their code is at commit
+# 627aebf): "pair_table" / "pair_table16" (key lookups from a table of fp16 pairs in shared memory), "split_warpsN"
+# (N one-warp workers a CTA, merged in shared memory) and "prefetch_next" (block ids a tile ahead, L2 prefetches).
+STAGE1_VARIANTS = ("shipped", "load_only", "compute_only", "extra_alu", "extra_fma", "vector_partials")
 # Instructions per tile that the extra_alu / extra_fma variants add (4 independent chains of 20).
 EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS = 4, 20
 
@@ -122,10 +118,6 @@ class Plan:
         if stage1_variant != "shipped" and (plan.key_fp8 or not plan.mma_stage1 or not plan.planes):
             raise ValueError(f"stage1_variant {stage1_variant!r} exists for the Gluon stage 1 with MSE keys only, "
                              "in planes")
-        if stage1_variant.startswith("pair_table") and not plan.key_codes.split:
-            raise ValueError(f"stage1_variant {stage1_variant!r} exists for split 3-bit keys only (k3v4, k3v3 in planes)")
-        if plan.split_warps and not plan.stage1_rotates_query:
-            raise ValueError(f"stage1_variant {stage1_variant!r} exists where stage 1 may rotate the query (Hadamard configs)")
         return plan
 
     # --- shapes -------------------------------------------------------------
@@ -205,12 +197,6 @@ class Plan:
     def extra_work_shape(self) -> tuple[int, int]:
         """(chains, steps) of the extra_alu / extra_fma variants' added instructions per tile."""
         return EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS
-
-    @property
-    def split_warps(self) -> int:
-        """One-warp workers per CTA of a split_warpsN variant; 0 otherwise."""
-        prefix = "split_warps"
-        return int(self.stage1_variant[len(prefix):]) if self.stage1_variant.startswith(prefix) else 0
 
     @property
     def symmetric_key_lookup(self) -> bool:
