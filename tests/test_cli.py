@@ -400,7 +400,9 @@ def test_a_damaged_tuned_file_is_reported_and_ignored_by_build_and_show(tmp_path
     ("--batch", ["0"]), ("--context", ["0"]),
     # Launches decode refuses (num_warps a power of two up to 32, block_kv one of at least 32): every such candidate
     # would be rejected in every bucket, and with no other, every bucket would fail, after the tune.
-    ("--warps", ["1", "3"]), ("--warps", ["64"]), ("--block-kv", ["48"]), ("--block-kv", ["16"])])
+    ("--warps", ["1", "3"]), ("--warps", ["64"]), ("--block-kv", ["48"]), ("--block-kv", ["16"]),
+    # No launch would merge in stage 1: say so rather than time stage 2 alone as if asked.
+    ("--merge-max-splits", ["0"])])
 def test_tune_refuses_bad_shapes_and_launches_with_one_line_before_tuning(tmp_path, monkeypatch, capsys, option,
                                                                          values):
     from tqgen import cli

@@ -126,7 +126,7 @@ def run_tune_step(tmp_path, stale_lines, stale_status=0, status=0, **variables):
     return result.stdout, calls.read_text().splitlines() if calls.exists() else []
 
 
-TUNE_FLAGS = "--warps 1 --stages 1 2 --block-kv 32 64"
+TUNE_FLAGS = "--warps 1 --stages 1 2 --block-kv 32 64 --rotate-query stage1 --merge-max-splits 32"
 
 
 def test_the_tune_step_retunes_the_stale_files_with_their_own_group_sizes(tmp_path):

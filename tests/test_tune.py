@@ -349,6 +349,23 @@ def test_a_rotating_config_times_both_ways_up_to_the_batch_rule_and_bakes_the_ch
     assert baked_module.query_rotated_in_stage1(1, 4, 256, gpu, tuned=False) is True  # the heuristic's choice
 
 
+def test_the_search_space_can_time_stage_1s_rotation_alone_and_merges_only_up_to_some_splits(tmp_path):
+    """SearchSpace.rotate_query (True,) times each launch with the query rotated in stage 1 only (ids _rq, the
+    choice still recorded); merge_max_splits N times stage 1 merging its splits only for launches of at most N
+    splits, stage 2 for every launch; neither touches a bucket above the batch rules, where decode has no choice."""
+    module = emit.load(make_config("k3v4", cache_layout="planes"), tmp_path / "modules")
+    space = tuner.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(1, 2, 4),
+                              rotate_query=(True,), merge_max_splits=2)
+    small = [tuned_files.candidate_id(launch) for launch in tuner.bucket_candidates(module, space, 1)]
+    assert sorted(small) == sorted([f"kv32_w1_st1_sp{s}_rq" for s in (1, 2, 4)]
+                                   + [f"kv32_w1_st1_sp{s}_rq_ms" for s in (1, 2)])
+    both = tuner.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(1, 2, 4))
+    assert len(tuner.bucket_candidates(module, both, 1)) == 3 * 2 * 2  # every rotation and merge, every launch
+    large = max(module._ROTATE_QUERY_MAX_BATCH, module._MERGE_IN_STAGE1_MAX_BATCH) + 1
+    assert [tuned_files.candidate_id(launch) for launch in tuner.bucket_candidates(module, space, large)] == [
+        f"kv32_w1_st1_sp{s}" for s in (1, 2, 4)]
+
+
 def test_a_small_batch_bucket_times_both_merges_and_bakes_the_choice(setup, tmp_path, monkeypatch):
     """Up to _MERGE_IN_STAGE1_MAX_BATCH sequences each launch is timed with its splits merged by stage 2 and by
     stage 1 itself (ids _ms); the best's choice is baked as the launch's sixth field (after rotate_query, None

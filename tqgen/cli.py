@@ -319,7 +319,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
     space = tuner.SearchSpace(**{field: tuple(values) for field, values in (
         ("block_kv", args.block_kv), ("num_warps", args.warps), ("num_stages", args.stages),
-        ("num_splits", args.splits)) if values})
+        ("num_splits", args.splits)) if values}, rotate_query=_ROTATE_QUERY_WAYS[args.rotate_query],
+        merge_max_splits=args.merge_max_splits)
     # Launches decode refuses: every bucket would reject them.
     if not all(decode_runs_launch(v, 1) for v in space.block_kv):
         raise TqgenError(f"tune: --block-kv takes powers of two >= {MIN_BLOCK_KV}, got {list(space.block_kv)}")
@@ -327,6 +328,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if not all(decode_runs_launch(MIN_BLOCK_KV, v) for v in space.num_warps):
         raise TqgenError(f"tune: --warps takes powers of two up to {MAX_NUM_WARPS}, got {list(space.num_warps)}")
     _require_positive("tune", {"--compile-workers": [args.compile_workers]})
+    if args.merge_max_splits is not None:
+        _require_positive("tune", {"--merge-max-splits": [args.merge_max_splits]})
     # Else a ZeroDivisionError, a negative tensor size or another bucket's shapes, once the first bucket is drawn.
     _require_positive("tune", {"--kv-heads": [args.kv_heads]})
     _require_positive("tune", {"--group-size": args.group_size})
@@ -336,8 +339,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     fingerprint = tuned_files.device_fingerprint()
     errors = []
     for config in (emit.as_config(c) for c in configs):
-        print(f"{config.name}: {len(buckets)} buckets x {len(space.candidates())} launches (up to 4x as many "
-              f"candidates at small batches: the query's rotation and the split merge timed both ways) on "
+        most = len(space.candidates(space.rotate_query, space.merge_in_stage1))
+        print(f"{config.name}: {len(buckets)} buckets x {len(space.candidates())} launches (up to {most} candidates "
+              f"at small batches: the query's rotation and the split merge timed each way asked) on "
               f"{fingerprint['device_name']}", flush=True)
         started = time.monotonic()
         try:
@@ -355,6 +359,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if errors:
         raise TqgenError(f"tune: {len(errors)} of {len(configs)} configs did not finish: " + " | ".join(errors))
     return 0
+
+
+# tqgen tune --rotate-query: the rotations timed where stage 1 can rotate the query (tuner.SearchSpace.rotate_query).
+_ROTATE_QUERY_WAYS = {"both": (True, False), "stage1": (True,)}
 
 
 def _default_compile_workers() -> int:
@@ -420,6 +428,12 @@ def make_parser() -> argparse.ArgumentParser:
     tune.add_argument("--warps", type=int, nargs="+", metavar="N", help="candidates (default: 1 2 4)")
     tune.add_argument("--stages", type=int, nargs="+", metavar="N", help="candidates (default: 1 2)")
     tune.add_argument("--splits", type=int, nargs="+", metavar="N", help="candidates (default: 4 8 16 32 64 128)")
+    tune.add_argument("--rotate-query", choices=sorted(_ROTATE_QUERY_WAYS), default="both",
+                      help="where configs that can rotate the query in stage 1 have it rotated, up to 8 sequences: "
+                           "both ways timed (default), or stage1 alone")
+    tune.add_argument("--merge-max-splits", type=int, metavar="N",
+                      help="time stage 1 merging its own splits (up to 8 sequences) only for launches of at most N "
+                           "splits (default: every launch)")
     tune.add_argument("--kv-heads", type=int, default=8,
                       help="KV heads of the timed problems, query heads = G x this (default: %(default)s)")
     tune.add_argument("--force", action="store_true",

@@ -56,24 +56,32 @@ class SearchSpace:
     # How each launch merges its splits, up to a module's _MERGE_IN_STAGE1_MAX_BATCH sequences (merges()): False
     # by stage 2, True by stage 1 itself (decode's merge_in_stage1). (False,) times stage 2 alone there too.
     merge_in_stage1: tuple[bool, ...] = (False, True)
+    # Merging in stage 1 only for launches of at most this many splits (None: every launch): the last program's
+    # one warp reads every split's partials, so the merge costs more with each split.
+    merge_max_splits: int | None = None
+    # Where the query is rotated, up to a module's _ROTATE_QUERY_MAX_BATCH sequences (rotations()): True in stage 1,
+    # False by tq_prepare_query first. (True,) times stage 1's rotation alone.
+    rotate_query: tuple[bool, ...] = (True, False)
 
     def candidates(self, rotations: tuple = (None,), merges: tuple = (None,)) -> list[dict]:
         """Every launch of the space, each once per entry of rotations (True, False: with decode's
-        rotate_query set so; None: without it) and of merges (decode's merge_in_stage1 likewise)."""
+        rotate_query set so; None: without it) and of merges (decode's merge_in_stage1 likewise; a merge in
+        stage 1 only for launches of at most merge_max_splits splits)."""
         launches = [dict(zip(tuned_files.LAUNCH_FIELDS, values))
                     for values in itertools.product(self.block_kv, self.num_warps, self.num_stages, self.num_splits)]
         with_rotation = [launch if rotate is None else {**launch, tuned_files.ROTATE_FIELD: rotate}
                          for rotate in rotations for launch in launches]
         return [launch if merge is None else {**launch, tuned_files.MERGE_FIELD: merge}
-                for merge in merges for launch in with_rotation]
+                for merge in merges for launch in with_rotation
+                if not (merge and self.merge_max_splits is not None and launch["num_splits"] > self.merge_max_splits)]
 
 
-def rotations(module: ModuleType, batch: int) -> tuple:
+def rotations(module: ModuleType, batch: int, ways: tuple = (True, False)) -> tuple:
     """Where stage 1 can rotate the query (modules with query_rotated_in_stage1, up to their
-    _ROTATE_QUERY_MAX_BATCH sequences, at every context), both ways are timed and the bucket's winner decides;
-    elsewhere decode has one way."""
+    _ROTATE_QUERY_MAX_BATCH sequences, at every context), each of `ways` is timed (True: in stage 1, False:
+    tq_prepare_query first) and the bucket's winner decides; elsewhere decode has one way."""
     if hasattr(module, "query_rotated_in_stage1") and batch <= module._ROTATE_QUERY_MAX_BATCH:
-        return (True, False)
+        return tuple(ways)
     return (None,)
 
 
@@ -89,7 +97,7 @@ def merges(module: ModuleType, batch: int, ways: tuple = (False, True)) -> tuple
 def bucket_candidates(module: ModuleType, space: SearchSpace, batch: int) -> list[dict]:
     """The candidates the tuner times for a bucket of `batch` sequences: the space's launches, each with every
     query rotation (rotations) and split merge (merges) that decode has a choice of at that batch."""
-    return space.candidates(rotations(module, batch), merges(module, batch, space.merge_in_stage1))
+    return space.candidates(rotations(module, batch, space.rotate_query), merges(module, batch, space.merge_in_stage1))
 
 
 def cuda_graph_timer(fn: Callable[[], object]) -> float:
