@@ -339,13 +339,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     fingerprint = tuned_files.device_fingerprint()
     errors = []
     for config in (emit.as_config(c) for c in configs):
-        most = len(space.candidates(space.rotate_query, space.merge_in_stage1))
-        print(f"{config.name}: {len(buckets)} buckets x {len(space.candidates())} launches (up to {most} candidates "
-              f"at small batches: the query's rotation and the split merge timed each way asked) on "
-              f"{fingerprint['device_name']}", flush=True)
         started = time.monotonic()
         try:
             module = emit.load(config, args.cache_dir, tuned_dir=root)
+            print(f"{config.name}: {len(buckets)} buckets x {len(space.candidates())} launches ("
+                  f"{len(tuner.bucket_candidates(module, space, 1))} candidates at batch 1, where the query's rotation "
+                  f"and the split merge are timed each way asked) on {fingerprint['device_name']}", flush=True)
             path = tuner.tune(config, module, buckets, space, root=root, fingerprint=fingerprint,
                              screen_timer=None if args.exhaustive else tuner.cuda_graph_screen_timer,
                              compile_workers=args.compile_workers, num_kv_heads=args.kv_heads, force=args.force,
