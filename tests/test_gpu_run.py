@@ -126,7 +126,7 @@ def run_tune_step(tmp_path, stale_lines, stale_status=0, status=0, **variables):
     return result.stdout, calls.read_text().splitlines() if calls.exists() else []
 
 
-TUNE_FLAGS = "--warps 1 --stages 1 2 --block-kv 32 64 --rotate-query stage1 --merge-max-splits 32"
+TUNE_FLAGS = "--warps 1 --stages 1 2 --block-kv 32 64 --rotate-query stage1 --merge-max-splits 32 --shortlist 12"
 
 
 def test_the_tune_step_retunes_the_stale_files_with_their_own_group_sizes(tmp_path):
@@ -135,6 +135,16 @@ def test_the_tune_step_retunes_the_stale_files_with_their_own_group_sizes(tmp_pa
                      f"configs/k3v4-d128-planes.yaml {TUNE_FLAGS} --group-size 1 4 8 16 --force"]
     # The device's name and capability: files of a GPU of another arch have its arch in their names.
     assert (tmp_path / "stale-call").read_text() == "tools/stale_tuned.py --device NVIDIA H200 --capability 9.0\n"
+
+
+def test_the_tune_step_shortlists_12_launches_unless_told_otherwise(tmp_path):
+    """TQGEN_TUNE_SHORTLIST sets how many of the stale file's fastest launches a bucket re-times; empty: every
+    candidate (tqgen tune without --shortlist)."""
+    _, calls = run_tune_step(tmp_path, "configs/k3v4-d128.yaml 4\\n", TQGEN_TUNE_SHORTLIST="6")
+    assert calls == [f"configs/k3v4-d128.yaml {TUNE_FLAGS.replace('--shortlist 12', '--shortlist 6')} --group-size 4 "
+                     f"--force"]
+    _, calls = run_tune_step(tmp_path / "full", "configs/k3v4-d128.yaml 4\\n", TQGEN_TUNE_SHORTLIST="")
+    assert calls == [f"configs/k3v4-d128.yaml {TUNE_FLAGS.replace(' --shortlist 12', '')} --group-size 4 --force"]
 
 
 def test_the_tune_step_says_so_when_nothing_is_stale(tmp_path):

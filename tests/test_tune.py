@@ -366,6 +366,124 @@ def test_the_search_space_can_time_stage_1s_rotation_alone_and_merges_only_up_to
         f"kv32_w1_st1_sp{s}" for s in (1, 2, 4)]
 
 
+def test_a_shortlist_keeps_the_fastest_earlier_launches_and_those_never_timed():
+    """A shortlisted bucket times the `size` launches fastest in the earlier tune's entry (fastest first; launches
+    of that entry no longer in the space are passed over), then those the entry neither timed nor rejected (new to
+    the space); an entry that timed none of the launches gives them all back."""
+    names = ["kv32_w1_st1_sp1", "kv32_w1_st1_sp2", "kv32_w1_st1_sp4", "kv64_w1_st1_sp1", "kv64_w1_st1_sp2"]
+    launches = [dict(zip(tuned_files.LAUNCH_FIELDS, (int(n[2:4]), 1, 1, int(n.split("sp")[1])))) for n in names]
+    assert [tuned_files.candidate_id(launch) for launch in launches] == names
+    earlier = {"timings_us": {"kv32_w1_st1_sp4": 9.0, "kv64_w1_st1_sp1": 7.0, "kv32_w1_st2_sp8": 1.0,
+                              "kv32_w1_st1_sp1": 12.0},
+               "rejected": {"kv32_w1_st1_sp2": "RuntimeError: too much shared memory"}}
+    picked = [tuned_files.candidate_id(launch) for launch in tuner.shortlist(launches, earlier, 2)]
+    assert picked == ["kv64_w1_st1_sp1", "kv32_w1_st1_sp4", "kv64_w1_st1_sp2"]
+    picked = [tuned_files.candidate_id(launch) for launch in tuner.shortlist(launches, earlier, 10)]
+    assert picked == ["kv64_w1_st1_sp1", "kv32_w1_st1_sp4", "kv32_w1_st1_sp1", "kv64_w1_st1_sp2"]
+    assert tuner.shortlist(launches, {"timings_us": {"kv32_w1_st2_sp8": 1.0}}, 2) == launches
+    assert tuner.shortlist(launches, None, 2) == launches
+
+
+def test_the_shortlist_replay_reads_candidate_ids_back_and_scores_a_missed_best(tmp_path):
+    """tools/shortlist_regret.py (docs/tuning.md's case for --shortlist 12): every id the tuner writes reads back as
+    its launch, and a re-tune whose best was not in the earlier tune's shortlist scores its loss."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("shortlist_regret", REPO / "tools" / "shortlist_regret.py")
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    space = tuner.SearchSpace(num_warps=(1, 2))
+    for launch in space.candidates((True, False), (False, True)) + space.candidates():
+        name = tuned_files.candidate_id(launch)  # a merge by stage 2 has no suffix: it reads back as no field
+        expected = {field: value for field, value in launch.items() if value is not False or field != tuned_files.MERGE_FIELD}
+        assert replay.launch_of(name) == expected and tuned_files.candidate_id(expected) == name
+    earlier = {"g4_b1_t1024": {"timings_us": {"kv32_w1_st1_sp8": 5.0, "kv32_w1_st1_sp16": 6.0, "kv64_w1_st1_sp8": 7.0}},
+               "g4_b2_t1024": {"timings_us": {"kv32_w1_st1_sp8": 5.0}}}
+    later = {"g4_b1_t1024": {"timings_us": {"kv32_w1_st1_sp8": 10.0, "kv32_w1_st1_sp16": 9.0, "kv64_w1_st1_sp8": 8.0}},
+             "g4_b2_t1024": {"timings_us": {"kv32_w1_st1_sp8": 5.0}}}  # carried over unchanged: not a re-tune
+    assert replay.regrets(earlier, later, 2) == [9.0 / 8.0]
+    assert replay.regrets(earlier, later, 3) == [1.0]
+
+
+def _staled(path, edit=lambda buckets: None):
+    """Make the tuned file at path look timed on another kernel (edit changes its buckets first); its bytes."""
+    document = json.loads(path.read_text())
+    document["metadata"]["kernel_hash"] = "0" * 64
+    edit(document["buckets"])
+    path.write_text(json.dumps(document))
+    return path.read_bytes()
+
+
+def test_a_shortlisted_retune_times_only_the_earlier_fastest_and_says_so(setup, tmp_path):
+    """--force --shortlist 1 over a file of another kernel: a bucket it timed times only its fastest launch there
+    and its entry names the shortlist; a bucket it lacks times every candidate; the old file is kept whole. With
+    no earlier tune at all, every candidate is timed, and the tuner says why."""
+    _, module = setup
+    path, first = run_tune(setup, tmp_path, shortlist_size=1)
+    assert "no earlier tune" in first[0] and "every candidate is timed" in first[0]
+    assert not any("shortlist" in entry for entry in json.loads(path.read_text())["buckets"].values())
+    ids = [tuned_files.candidate_id(launch) for launch in candidates(module, 2)]
+
+    def edit(buckets):
+        buckets["g2_b2_t256"]["timings_us"] = {name: 5.0 if name == ids[2] else 50.0 for name in ids}
+        del buckets["g2_b1_t256"]
+
+    before = _staled(path, edit)
+    _, lines = run_tune(setup, tmp_path, force=True, shortlist_size=1)
+    document = json.loads(path.read_text())
+    shortlisted, full = document["buckets"]["g2_b2_t256"], document["buckets"]["g2_b1_t256"]
+    assert list(shortlisted["timings_us"]) == [ids[2]] and tuned_files.candidate_id(shortlisted["best"]) == ids[2]
+    assert shortlisted["shortlist"] == {"size": 1, "of": len(ids), "from_kernel_hash": "0" * 64}
+    assert "shortlist" not in full and set(full["timings_us"]) == set(ids)
+    assert any(f"1 timed of {len(ids)} (shortlist)" in line for line in lines), lines
+    kept = [p for p in path.parent.iterdir() if p != path]
+    assert len(kept) == 1 and kept[0].read_bytes() == before
+
+
+def test_a_shortlisted_retune_resumes_from_the_file_it_set_aside(setup, tmp_path):
+    """A shortlisted re-tune killed after its first bucket: the re-run (no --force: the new file is current) takes
+    the rest's shortlists from the earlier file, which the first run kept as NAME.json.replaced-TIME."""
+    _, module = setup
+    path, _ = run_tune(setup, tmp_path)
+    _staled(path)
+    calls = {"n": 0}
+
+    def dying_timer(fn):
+        calls["n"] += 1
+        if calls["n"] > 1:  # the first bucket's one shortlisted launch is timed, the second bucket dies
+            raise KeyboardInterrupt
+        return cpu_timer(fn)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_tune(setup, tmp_path, force=True, shortlist_size=1, timer=dying_timer)
+    assert list(json.loads(path.read_text())["buckets"]) == ["g2_b2_t256"]
+    _, lines = run_tune(setup, tmp_path, shortlist_size=1)
+    assert "already tuned" in lines[0] and "(shortlist)" in lines[1]
+    resumed = json.loads(path.read_text())["buckets"]["g2_b1_t256"]
+    assert len(resumed["timings_us"]) == 1 and resumed["shortlist"]["from_kernel_hash"] == "0" * 64
+
+
+def test_earlier_buckets_prefer_the_file_itself_and_skip_other_devices_and_damage(tmp_path):
+    path = tmp_path / "Test_GPU" / "tq_x.json"
+    path.parent.mkdir()
+
+    def write(target, device, kernel, buckets):
+        target.write_text(json.dumps({"metadata": {"device_name": device, "kernel_hash": kernel}, "buckets": buckets}))
+
+    entry = lambda us: {"timings_us": {"kv32_w1_st1_sp4": us}}  # noqa: E731
+    write(path.with_name(path.name + ".replaced-20261201T000000Z"), "Test GPU", "a", {"g4_b1_t1024": entry(1.0),
+                                                                                       "g4_b2_t1024": entry(2.0)})
+    write(path.with_name(path.name + ".replaced-20261202T000000Z"), "Test GPU", "b", {"g4_b1_t1024": entry(3.0),
+                                                                                       "g4_b4_t1024": "damaged"})
+    write(path.with_name(path.name + ".replaced-20261203T000000Z"), "Other GPU", "c", {"g4_b8_t1024": entry(4.0)})
+    path.with_name(path.name + ".replaced-20261204T000000Z").write_text("{truncated")
+    write(path, "Test GPU", "d", {"g4_b2_t1024": entry(5.0)})
+    found = tuned_files.earlier_buckets(path, "Test GPU")
+    assert {key: (entry["timings_us"]["kv32_w1_st1_sp4"], kernel) for key, (entry, kernel) in found.items()} == {
+        "g4_b1_t1024": (3.0, "b"), "g4_b2_t1024": (5.0, "d")}
+    assert tuned_files.earlier_buckets(tmp_path / "Test_GPU" / "tq_none.json", "Test GPU") == {}
+
+
 def test_a_small_batch_bucket_times_both_merges_and_bakes_the_choice(setup, tmp_path, monkeypatch):
     """Up to _MERGE_IN_STAGE1_MAX_BATCH sequences each launch is timed with its splits merged by stage 2 and by
     stage 1 itself (ids _ms); the best's choice is baked as the launch's sixth field (after rotate_query, None
@@ -933,6 +1051,28 @@ def test_a_compile_worker_runs_every_candidate_and_counts_the_failures(setup, mo
     assert sorted(launches) == [1, 1, 1, 1, 2, 2]  # check and whole call of each 1-split candidate; 2 fail at once
 
 
+def test_a_compile_class_compiles_every_launch_its_buckets_time_once(setup, monkeypatch):
+    """With shortlists, a (group size, batch) class compiles the union of its buckets' launches, each once, and a
+    worker given launches runs those alone."""
+    config, module = setup
+    one, two, four = ({"block_kv": 32, "num_warps": 1, "num_stages": 1, "num_splits": s} for s in (1, 2, 4))
+    launches_of = {(2, 1, 256): [one, two], (2, 1, 1024): [two, four], (2, 2, 256): [four]}
+    assert tuner._class_launches(list(launches_of), launches_of, 2, 1) == [one, two, four]
+    assert tuner._class_launches(list(launches_of), launches_of, 2, 2) == [four]
+    assert tuner._class_launches(list(launches_of), None, 2, 1) is None
+    splits = []
+    original = module.decode
+
+    def recording(*args, **kwargs):
+        splits.append(kwargs["num_splits"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "decode", recording)
+    monkeypatch.setattr(tuner, "_loaded_module", lambda path: module)
+    assert tuner._compile_class(module.__file__, config, 2, 1, 100, SPACE, 1, "cpu", launches=[two]) == 0
+    assert splits == [2, 2]  # its check and its whole call
+
+
 def test_precompile_runs_nothing_on_one_worker_or_off_cuda(setup, monkeypatch):
     config, module = setup
     monkeypatch.setattr(tuner, "_compile_class", lambda *args: pytest.fail("no worker may start"))
@@ -955,7 +1095,7 @@ def test_an_interrupted_precompile_starts_no_more_classes(setup, monkeypatch):
 
     started = []
 
-    def compile_class(module_file, config, group_size, batch, context, space, num_kv_heads, device):
+    def compile_class(module_file, config, group_size, batch, context, space, num_kv_heads, device, launches=None):
         started.append(batch)
         if batch == 1:  # the interrupt, as a worker hands it back to the tuner
             raise KeyboardInterrupt

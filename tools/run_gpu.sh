@@ -7,8 +7,8 @@
 # TQGEN_GPU_STEPS picks steps (default "tests sanitize bench"; "tune" re-tunes TQGEN_TUNE_CONFIGS, default the
 # configs whose committed tuned files for this GPU are stale (tools/stale_tuned.py), each for the query heads per KV
 # head its file has (the planes files 1, 4, 8 and 16, the slots files 4; TQGEN_TUNE_GROUPS for all, and tqgen tune's
-# default 1, 4, 8 and 16 for configs named); TQGEN_TUNE_BATCHES limits the batches; about 4.5 minutes a planes
-# config on the H200: docs/tuning.md), and packs
+# default 1, 4, 8 and 16 for configs named); TQGEN_TUNE_BATCHES limits the batches; TQGEN_TUNE_SHORTLIST the launches
+# a bucket re-times from the stale file (default 12; empty: every candidate); docs/tuning.md), and packs
 # the tuned files written so far into OUT_DIR/tuned.tar after each config (`tar -xf tuned.tar` in the checkout
 # restores them): a call that runs out of time keeps the configs it finished; "multi" times decode_multi
 # at q_len 1-8 against decode, tools/bench_decode_multi.py, before the benchmark; "host" the host time of eager
@@ -62,14 +62,17 @@ if [[ $steps == *tune* ]]; then
             status=1; echo "tune: tools/stale_tuned.py failed (its error is in the output); re-tuning what it listed"
         fi
     fi
+    shortlist=${TQGEN_TUNE_SHORTLIST-12}
     while read -r config groups; do
         [[ -z $config ]] && continue
         groups=${TQGEN_TUNE_GROUPS:-$groups}
         # The query rotated in stage 1 only, and stage 1's merge only up to 32 splits: in the H200 tables the other
         # rotation won 4 of 192 buckets, by at most 2.1%, and the merge no bucket above 32 splits; without them a
-        # small-batch bucket times 40 candidates instead of 96 (docs/tuning.md).
+        # small-batch bucket times 40 candidates instead of 96. Each bucket times the 12 launches fastest in the
+        # stale file and those it did not time (TQGEN_TUNE_SHORTLIST, empty for every candidate): in 949 buckets of
+        # the committed files' successive tunes the best of the earlier 12 was at most 1.7% slower (docs/tuning.md).
         python3 -m tqgen.cli tune "$config" --warps 1 --stages 1 2 --block-kv 32 64 \
-            --rotate-query stage1 --merge-max-splits 32 \
+            --rotate-query stage1 --merge-max-splits 32 ${shortlist:+--shortlist $shortlist} \
             ${groups:+--group-size $groups} ${TQGEN_TUNE_BATCHES:+--batch $TQGEN_TUNE_BATCHES} \
             --force >> "$out/tune.log" 2>&1 < /dev/null
         rc=$?; tail -1 "$out/tune.log"; echo "tune $config exit code: $rc"; (( rc )) && status=1

@@ -330,6 +330,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     _require_positive("tune", {"--compile-workers": [args.compile_workers]})
     if args.merge_max_splits is not None:
         _require_positive("tune", {"--merge-max-splits": [args.merge_max_splits]})
+    if args.shortlist is not None:
+        _require_positive("tune", {"--shortlist": [args.shortlist]})
     # Else a ZeroDivisionError, a negative tensor size or another bucket's shapes, once the first bucket is drawn.
     _require_positive("tune", {"--kv-heads": [args.kv_heads]})
     _require_positive("tune", {"--group-size": args.group_size})
@@ -348,7 +350,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             path = tuner.tune(config, module, buckets, space, root=root, fingerprint=fingerprint,
                              screen_timer=None if args.exhaustive else tuner.cuda_graph_screen_timer,
                              compile_workers=args.compile_workers, num_kv_heads=args.kv_heads, force=args.force,
-                             progress=lambda line: print("  " + line, flush=True))
+                             shortlist_size=args.shortlist, progress=lambda line: print("  " + line, flush=True))
         except TqgenError as exc:  # the next config is independent: tune it, fail at the end
             errors.append(str(exc))
             print(f"{config.name}: error after {time.monotonic() - started:.0f} s: {exc}", flush=True)
@@ -433,6 +435,11 @@ def make_parser() -> argparse.ArgumentParser:
     tune.add_argument("--merge-max-splits", type=int, metavar="N",
                       help="time stage 1 merging its own splits (up to 8 sequences) only for launches of at most N "
                            "splits (default: every launch)")
+    tune.add_argument("--shortlist", type=int, metavar="K",
+                      help="re-tuning after a kernel change: time in each bucket only the K launches fastest in the "
+                           "file's earlier tune (the file, or the one --force kept as NAME.json.replaced-TIME) and "
+                           "those it did not time; buckets it lacks time every candidate (default: every candidate; "
+                           "docs/tuning.md)")
     tune.add_argument("--kv-heads", type=int, default=8,
                       help="KV heads of the timed problems, query heads = G x this (default: %(default)s)")
     tune.add_argument("--force", action="store_true",

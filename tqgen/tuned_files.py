@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import glob
 import json
 import os
 import re
@@ -237,6 +238,28 @@ def set_aside_unusable(path: Path, expected: dict[str, Any]) -> tuple[Path | Non
             kept = path.with_name(f"{path.name}.replaced-{stamp}-{number}")
         os.replace(path, kept)
     return kept, {}
+
+
+def earlier_buckets(path: Path, device_name: str) -> dict[str, tuple[dict[str, Any], str]]:
+    """Each bucket's timings from earlier tunes of this file, whatever kernel they were timed on: the file at `path`
+    and the ones a `--force` re-tune kept beside it (NAME.json.replaced-TIME), the file itself first, then the most
+    recently kept. Maps a bucket key to (its entry, the kernel_hash it was timed on); a file of another device, or
+    one that cannot be read, adds nothing. What `tqgen tune --shortlist` ranks the candidates by."""
+    sources = sorted(path.parent.glob(f"{glob.escape(path.name)}.replaced-*")) + [path]
+    found: dict[str, tuple[dict[str, Any], str]] = {}
+    for source in sources:  # oldest first: a later file's entry replaces an earlier one's
+        try:
+            document = json.loads(source.read_text(encoding="utf-8"))
+            metadata, buckets = document["metadata"], dict(document["buckets"])
+            if metadata["device_name"] != device_name:
+                continue
+        except (OSError, UnicodeDecodeError, ValueError, LookupError, TypeError, AttributeError):
+            continue
+        for key, entry in buckets.items():
+            timings = entry.get("timings_us") if isinstance(entry, dict) else None
+            if isinstance(timings, dict) and all(type(us) in (int, float) for us in timings.values()):
+                found[key] = (entry, str(metadata.get("kernel_hash")))
+    return found
 
 
 def save_bucket(path: Path, metadata: dict[str, Any], key: str, entry: dict[str, Any]) -> None:

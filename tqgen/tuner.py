@@ -10,6 +10,9 @@ and the caller's random state is left alone. Candidates that fail
 to compile or differ from the reference are recorded as rejected. Each
 finished bucket is saved at once (tuned_files.save_bucket: lock, merge, atomic
 replace), so a killed run keeps what it finished and a re-run resumes.
+With a shortlist (`tqgen tune --shortlist K`, after a kernel change), a bucket
+times only the K launches that were fastest in the file's earlier tune, and the
+launches that tune did not know.
 """
 
 from __future__ import annotations
@@ -100,6 +103,20 @@ def bucket_candidates(module: ModuleType, space: SearchSpace, batch: int) -> lis
     return space.candidates(rotations(module, batch, space.rotate_query), merges(module, batch, space.merge_in_stage1))
 
 
+def shortlist(launches: list[dict], earlier: dict | None, size: int) -> list[dict]:
+    """What a bucket times under `tqgen tune --shortlist size`: of `launches`, the `size` fastest in `earlier` (the
+    bucket's entry in an earlier tune of the file, on an earlier kernel), fastest first, then every launch that
+    entry neither timed nor rejected (new to the search space). All of `launches` where it timed none of them."""
+    by_name = {tuned_files.candidate_id(launch): launch for launch in launches}
+    timings = (earlier or {}).get("timings_us") or {}
+    rejected = (earlier or {}).get("rejected")
+    seen = set(timings) | (set(rejected) if isinstance(rejected, dict) else set())
+    ranked = sorted((name for name in timings if name in by_name), key=lambda name: (timings[name], name))
+    if not ranked:
+        return launches
+    return [by_name[name] for name in ranked[:size]] + [launch for name, launch in by_name.items() if name not in seen]
+
+
 def cuda_graph_timer(fn: Callable[[], object]) -> float:
     """Median milliseconds of a CUDA-graph replay of fn (decode is launch-bound at small sizes)."""
     import triton
@@ -152,8 +169,9 @@ def _candidate_calls(module: ModuleType, setup: dict, launch: dict) -> tuple[Cal
 
 def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int, context: int,
                 space: SearchSpace, *, timer: Callable, screen_timer: Callable | None = None,
-                num_kv_heads: int = 8, device="cuda") -> dict:
-    """Time every candidate of one bucket; returns the bucket's entry for the tuned file.
+                num_kv_heads: int = 8, device="cuda", launches: list[dict] | None = None) -> dict:
+    """Time every candidate of one bucket (`launches`, default the space's: bucket_candidates); returns the
+    bucket's entry for the tuned file.
 
     With screen_timer, every candidate is timed by it (a short run) and only the finalists, those within
     SCREEN_MARGIN of the fastest (at most SCREEN_FINALISTS), again by timer; the entry's timings_us then
@@ -168,8 +186,10 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
                                 check["seq_lens"], setup["codebook"].get("rotation"), setup["codebook"].get("centroids"))
     limit = DECODE_TOLERANCE[torch.float16]
     timings, rejected, calls = {}, {}, {}
-    launches = {tuned_files.candidate_id(launch): launch for launch in bucket_candidates(module, space, batch)}
-    for name, launch in launches.items():
+    if launches is None:
+        launches = bucket_candidates(module, space, batch)
+    named = {tuned_files.candidate_id(launch): launch for launch in launches}
+    for name, launch in named.items():
         try:
             run_check, call = _candidate_calls(module, setup, launch)
             got = run_check()
@@ -197,7 +217,7 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
             timings[name] = round(timer(calls[name]) * 1e3, 2)
     # Among the finalists: the others' timings are screenings, which the full run may read a few percent below.
     best_name = min(finalists, key=timings.get)
-    best = launches[best_name]
+    best = named[best_name]
     return {
         **bucket_bounds(bucket_key(group_size, batch, context)),
         "shape": {"batch": batch, "context": context, "num_kv_heads": num_kv_heads},
@@ -223,16 +243,29 @@ def compile_classes(shapes) -> list[tuple[int, int, int]]:
     return [(group_size, batch, min(context, COMPILE_CONTEXT)) for (group_size, batch), context in smallest.items()]
 
 
+def _class_launches(shapes, launches_of: dict | None, group_size: int, batch: int) -> list[dict] | None:
+    """Every launch that some shape of this group size and batch times, once each (None: the space's)."""
+    if launches_of is None:
+        return None
+    union: dict[str, dict] = {}
+    for shape in shapes:
+        if tuple(shape[:2]) == (group_size, batch):
+            for launch in launches_of[tuple(shape)]:
+                union.setdefault(tuned_files.candidate_id(launch), launch)
+    return list(union.values())
+
+
 def _compile_class(module_file: str, config: Config, group_size: int, batch: int, context: int,
-                   space: SearchSpace, num_kv_heads: int, device: str) -> int:
+                   space: SearchSpace, num_kv_heads: int, device: str, launches: list[dict] | None = None) -> int:
     """In a worker process: run each candidate of one compile class once (its check and its whole call), so
     that triton compiles their kernels into its on-disk cache, where the tuning process then finds them.
-    Returns how many candidates failed (the tuner records why when it meets them)."""
+    `launches`: the candidates (default the space's, bucket_candidates). Returns how many failed (the tuner
+    records why when it meets them)."""
     module = _loaded_module(module_file)
     setup = _bucket_problem(module, config, group_size, batch, context, num_kv_heads, max(space.num_splits),
                             device)
     failed = 0
-    for launch in bucket_candidates(module, space, batch):
+    for launch in bucket_candidates(module, space, batch) if launches is None else launches:
         try:
             for run in _candidate_calls(module, setup, launch):
                 run()
@@ -251,12 +284,14 @@ def _loaded_module(module_file: str) -> ModuleType:
 
 
 def precompile(module: ModuleType, config: Config, shapes, space: SearchSpace, *, workers: int,
-               num_kv_heads: int = 8, device="cuda", progress: Callable[[str], None] = print) -> None:
+               num_kv_heads: int = 8, device="cuda", progress: Callable[[str], None] = print,
+               launches_of: dict[tuple[int, int, int], list[dict]] | None = None) -> None:
     """Compile the kernels of every candidate of the buckets `shapes` in `workers` processes side by side,
     before they are timed in series: compiling took about half of a tune on the H200 (one process compiles
     one kernel at a time, 30-40 s in each of the first buckets of a group size). Triton's on-disk cache
     hands the kernels to the tuning process. A worker that fails costs only time: whatever it did not
-    compile is compiled when first timed."""
+    compile is compiled when first timed. `launches_of` maps a shape to the candidates it times (default: the
+    space's); a class compiles every launch that one of its shapes times."""
     import concurrent.futures
     import multiprocessing
 
@@ -270,7 +305,8 @@ def precompile(module: ModuleType, config: Config, shapes, space: SearchSpace, *
     failures = []
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
         jobs = {pool.submit(_compile_class, module.__file__, config, group_size, batch, ctx, space, num_kv_heads,
-                            str(device)): (group_size, batch) for group_size, batch, ctx in classes}
+                            str(device), launches=_class_launches(shapes, launches_of, group_size, batch)):
+                (group_size, batch) for group_size, batch, ctx in classes}
         try:
             for job in concurrent.futures.as_completed(jobs):
                 try:
@@ -287,14 +323,15 @@ def precompile(module: ModuleType, config: Config, shapes, space: SearchSpace, *
 def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]], space: SearchSpace, *,
          root: Path, fingerprint: dict, timer: Callable = cuda_graph_timer, screen_timer: Callable | None = None,
          num_kv_heads: int = 8, device="cuda", force: bool = False, compile_workers: int = 1,
-         progress: Callable[[str], None] = print) -> Path:
+         shortlist_size: int | None = None, progress: Callable[[str], None] = print) -> Path:
     """Tune the buckets not yet in the file (all with force=True); returns the tuned file's path.
 
     screen_timer: see tune_bucket. compile_workers > 1 compiles the candidates' kernels in that many
-    processes first (precompile; CUDA devices only).
+    processes first (precompile; CUDA devices only). shortlist_size: a bucket that an earlier tune of the file
+    timed (tuned_files.earlier_buckets) times only its shortlist (shortlist), and its entry says so (`shortlist`).
 
     A file that is corrupt or tuned for another setup (kernel, triton, device) is refused,
-    or with force=True renamed to NAME.json.replaced-TIME (tuned_files.set_aside_unusable) and re-tuned_files.
+    or with force=True renamed to NAME.json.replaced-TIME (tuned_files.set_aside_unusable) and re-tuned.
     """
     if getattr(module, "DEPENDENT_LAUNCH", True) is False:
         # The batch-1 buckets are timed with the dependent launches serving uses.
@@ -303,6 +340,10 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
     metadata = tuned_files.make_metadata(config, fingerprint)
     path = tuned_files.tuned_path(root, metadata["device_name"], config)
     tuned_files.check_writable(path)  # else the first bucket's minutes of timing end in an error saving it
+    # Read before a --force sets the file aside (earlier_buckets reads the files set aside too).
+    earlier = tuned_files.earlier_buckets(path, metadata["device_name"]) if shortlist_size else {}
+    if shortlist_size and not earlier:
+        progress(f"no earlier tune of {path.name} to shortlist from: every candidate is timed")
     try:
         done = tuned_files.read(path, metadata)
     except tuned_files.Unusable as exc:
@@ -319,10 +360,20 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
         bounds = bucket_bounds(key)
         shapes.setdefault(key, (group_size, bounds["batch"][1], bounds["context"][1]))
     total = len(shapes)
-    todo = [shape for key, shape in shapes.items() if force or key not in done]
+    todo = {key: shape for key, shape in shapes.items() if force or key not in done}
+    launches_of, shortlisted = {}, {}
+    for key, shape in todo.items():
+        launches = bucket_candidates(module, space, shape[1])
+        if key in earlier:
+            entry, kernel_hash = earlier[key]
+            chosen = shortlist(launches, entry, shortlist_size)
+            if len(chosen) < len(launches):
+                shortlisted[key] = {"size": shortlist_size, "of": len(launches), "from_kernel_hash": kernel_hash}
+            launches = chosen
+        launches_of[shape] = launches
     if todo and compile_workers > 1:
-        precompile(module, config, todo, space, workers=compile_workers, num_kv_heads=num_kv_heads, device=device,
-                   progress=progress)
+        precompile(module, config, list(todo.values()), space, workers=compile_workers, num_kv_heads=num_kv_heads,
+                   device=device, progress=progress, launches_of=launches_of)
     failed = []
     for index, (key, (group_size, batch, context)) in enumerate(shapes.items(), 1):
         if key in done and not force:
@@ -330,14 +381,18 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
             continue
         try:
             entry = tune_bucket(module, config, group_size, batch, context, space, timer=timer,
-                                screen_timer=screen_timer, num_kv_heads=num_kv_heads, device=device)
+                                screen_timer=screen_timer, num_kv_heads=num_kv_heads, device=device,
+                                launches=launches_of[(group_size, batch, context)])
         except TqgenError as exc:  # one bad bucket must not cost the others: report it, go on
             failed.append(key)
             progress(f"[{index}/{total}] {key}: FAILED, {exc}")
             continue
+        if key in shortlisted:
+            entry["shortlist"] = shortlisted[key]
         tuned_files.save_bucket(path, metadata, key, entry)
+        of = f" of {shortlisted[key]['of']} (shortlist)" if key in shortlisted else ""
         progress(f"[{index}/{total}] {key}: best {tuned_files.candidate_id(entry['best'])} {entry['best_us']:.1f} us "
-                 f"({len(entry['timings_us'])} timed, {len(entry['rejected'])} rejected, {entry['seconds']:.0f} s)")
+                 f"({len(entry['timings_us'])} timed{of}, {len(entry['rejected'])} rejected, {entry['seconds']:.0f} s)")
     if failed:
         saved = f"the others were saved to {path}" if len(failed) < total else "nothing new was saved"
         raise TqgenError(f"{config.name}: {len(failed)} of {total} buckets have no valid candidate "

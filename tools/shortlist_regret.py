@@ -1,0 +1,95 @@
+"""What `tqgen tune --shortlist K` would have lost in the re-tunes of the committed tuned files' git history.
+
+    python3 tools/shortlist_regret.py [--sizes 4 8 12 16] [FILE ...]
+
+For each tuned file (default: every file under tuned/) it walks the file's commits and takes each pair of
+successive tunes (a later commit whose bucket re-timed the candidates, not a migration or an added bucket). For
+each bucket both timed, the later tune's candidates are shortlisted by the earlier tune's timings (tuner.shortlist:
+the K fastest there, plus those it never timed), and the bucket's regret is the later tune's best time among the
+shortlist over its best of all. Prints per K: buckets, how many the shortlist missed the best of, by more than 2%,
+the worst regret and the mean. The later tune's timings of candidates it did not retime are its 5 ms screenings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tqgen import tuned_files, tuner  # noqa: E402
+
+_ID = re.compile(r"kv(\d+)_w(\d+)_st(\d+)_sp(\d+)(_rq|_pq)?(_ms)?")
+
+
+def launch_of(name: str) -> dict:
+    """The launch a candidate id names (tuned_files.candidate_id's inverse)."""
+    match = _ID.fullmatch(name)
+    if not match:
+        raise ValueError(f"not a candidate id: {name!r}")
+    launch = dict(zip(tuned_files.LAUNCH_FIELDS, (int(group) for group in match.groups()[:4])))
+    if match.group(5):
+        launch[tuned_files.ROTATE_FIELD] = match.group(5) == "_rq"
+    if match.group(6):
+        launch[tuned_files.MERGE_FIELD] = True
+    return launch
+
+
+def tunes(path: Path) -> list[dict]:
+    """The file's distinct versions in its git history, oldest first (each a document's buckets)."""
+    relative = path.resolve().relative_to(REPO)
+    commits = subprocess.run(["git", "log", "--format=%H", "--", str(relative)], cwd=REPO, check=True,
+                             capture_output=True, text=True).stdout.split()
+    versions = []
+    for commit in reversed(commits):
+        shown = subprocess.run(["git", "show", f"{commit}:{relative}"], cwd=REPO, capture_output=True, text=True)
+        try:
+            buckets = json.loads(shown.stdout)["buckets"]
+        except (ValueError, LookupError, TypeError):
+            continue  # deleted or damaged in that commit
+        if not versions or buckets != versions[-1]:
+            versions.append(buckets)
+    return versions
+
+
+def regrets(earlier: dict, later: dict, size: int) -> list[float]:
+    """Per bucket re-timed by the later tune: its best among the shortlist over its best."""
+    found = []
+    for key, entry in later.items():
+        before = earlier.get(key)
+        if not isinstance(before, dict) or before.get("timings_us") == entry["timings_us"]:
+            continue  # a bucket new in the later tune, or carried over unchanged
+        timings = entry["timings_us"]
+        launches = [launch_of(name) for name in [*timings, *entry.get("rejected", {})]]
+        picked = [tuned_files.candidate_id(launch) for launch in tuner.shortlist(launches, before, size)]
+        found.append(min(timings.get(name, float("inf")) for name in picked) / min(timings.values()))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="*", type=Path, help="default: every tuned file under tuned/")
+    parser.add_argument("--sizes", nargs="+", type=int, default=[4, 8, 12, 16], metavar="K")
+    args = parser.parse_args()
+    files = args.files or sorted((REPO / "tuned").glob("*/*.json"))
+    pairs = []
+    for path in files:
+        versions = tunes(path)
+        pairs += zip(versions, versions[1:])
+    print(f"{len(files)} files, {len(pairs)} successive tunes")
+    for size in args.sizes:
+        found = [regret for earlier, later in pairs for regret in regrets(earlier, later, size)]
+        if not found:
+            print(f"K {size}: no bucket was re-timed")
+            continue
+        print(f"K {size:3d}: {len(found)} buckets, best missed in {sum(r > 1 for r in found)}, by > 2% in "
+              f"{sum(r > 1.02 for r in found)}; worst {max(found):.3f}x, mean {sum(found) / len(found):.4f}x")
+
+
+if __name__ == "__main__":
+    main()
