@@ -384,6 +384,22 @@ def test_a_shortlist_keeps_the_fastest_earlier_launches_and_those_never_timed():
     assert tuner.shortlist(launches, None, 2) == launches
 
 
+def test_a_shortlist_counts_each_new_choice_of_an_earlier_launch_as_that_launch():
+    """An earlier tune without the query-rotation or split-merge choice (ids without _rq/_pq or _ms): each choice of
+    one of its `size` fastest launches is timed, of the others none; a split count it never timed is new."""
+    space = tuner.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(4, 8, 16))
+    launches = space.candidates((True, False), (False, True))
+    earlier = {"timings_us": {"kv32_w1_st1_sp4": 9.0, "kv32_w1_st1_sp8": 7.0}}
+    picked = [tuned_files.candidate_id(launch) for launch in tuner.shortlist(launches, earlier, 1)]
+    assert picked == ["kv32_w1_st1_sp8_rq", "kv32_w1_st1_sp8_pq", "kv32_w1_st1_sp8_rq_ms", "kv32_w1_st1_sp8_pq_ms",
+                      "kv32_w1_st1_sp16_rq", "kv32_w1_st1_sp16_pq", "kv32_w1_st1_sp16_rq_ms", "kv32_w1_st1_sp16_pq_ms"]
+    # An earlier tune that had the rotation but not the merge: the rotation is matched by name.
+    earlier = {"timings_us": {"kv32_w1_st1_sp4_pq": 5.0, "kv32_w1_st1_sp4_rq": 6.0, "kv32_w1_st1_sp8_rq": 7.0,
+                              "kv32_w1_st1_sp8_pq": 8.0, "kv32_w1_st1_sp16_rq": 9.0, "kv32_w1_st1_sp16_pq": 9.5}}
+    picked = [tuned_files.candidate_id(launch) for launch in tuner.shortlist(launches, earlier, 2)]
+    assert picked == ["kv32_w1_st1_sp4_pq", "kv32_w1_st1_sp4_pq_ms", "kv32_w1_st1_sp4_rq", "kv32_w1_st1_sp4_rq_ms"]
+
+
 def test_the_shortlist_replay_reads_candidate_ids_back_and_scores_a_missed_best(tmp_path):
     """tools/shortlist_regret.py (docs/tuning.md's case for --shortlist 12): every id the tuner writes reads back as
     its launch, and a re-tune whose best was not in the earlier tune's shortlist scores its loss."""
@@ -402,8 +418,8 @@ def test_the_shortlist_replay_reads_candidate_ids_back_and_scores_a_missed_best(
                "g4_b2_t1024": {"timings_us": {"kv32_w1_st1_sp8": 5.0}}}
     later = {"g4_b1_t1024": {"timings_us": {"kv32_w1_st1_sp8": 10.0, "kv32_w1_st1_sp16": 9.0, "kv64_w1_st1_sp8": 8.0}},
              "g4_b2_t1024": {"timings_us": {"kv32_w1_st1_sp8": 5.0}}}  # carried over unchanged: not a re-tune
-    assert replay.regrets(earlier, later, 2) == [9.0 / 8.0]
-    assert replay.regrets(earlier, later, 3) == [1.0]
+    assert replay.regrets(earlier, later, 2) == [(9.0 / 8.0, 2, 3)]  # its best, of 2 of 3 candidates timed
+    assert replay.regrets(earlier, later, 3) == [(1.0, 3, 3)]
 
 
 def _staled(path, edit=lambda buckets: None):

@@ -3,8 +3,8 @@
 # export the raw metrics and the per-instruction SASS stall samples as CSV beside each report.
 # Usage (GPU machine, repository root): bash tools/ncu_stage1.sh OUT_DIR 32x16384 configs/k3v4-d128-planes.yaml ...
 # TQGEN_PROFILE_ARGS passes options to tools/profile_decode.py (--variant, --block-kv, --stages, --splits) and
-# TQGEN_PROFILE_NAME suffixes the report names. tools/ncu_summary.py OUT_DIR/NAME prints the pipe, issue and
-# stall table of each.
+# TQGEN_PROFILE_NAME suffixes the report names, TQGEN_NCU_REPORTS puts the .ncu-rep files elsewhere (default
+# OUT_DIR; the CSVs stay there). tools/ncu_summary.py OUT_DIR/NAME prints the pipe, issue and stall table of each.
 set -u
 out=$1; shape=$2; shift 2
 reports=${TQGEN_NCU_REPORTS:-$out}  # where the .ncu-rep files go (the CSVs go to OUT_DIR)

@@ -7,7 +7,8 @@ successive tunes (a later commit whose bucket re-timed the candidates, not a mig
 each bucket both timed, the later tune's candidates are shortlisted by the earlier tune's timings (tuner.shortlist:
 the K fastest there, plus those it never timed), and the bucket's regret is the later tune's best time among the
 shortlist over its best of all. Prints per K: buckets, how many the shortlist missed the best of, by more than 2%,
-the worst regret and the mean. The later tune's timings of candidates it did not retime are its 5 ms screenings.
+the worst regret and the mean, and how many of the candidates the shortlists timed. The later tune's timings of
+candidates it did not retime are its 5 ms screenings.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def tunes(path: Path) -> list[dict]:
     return versions
 
 
-def regrets(earlier: dict, later: dict, size: int) -> list[float]:
-    """Per bucket re-timed by the later tune: its best among the shortlist over its best."""
+def regrets(earlier: dict, later: dict, size: int) -> list[tuple[float, int, int]]:
+    """Per bucket re-timed by the later tune: its best among the shortlist over its best, the shortlist's length
+    and the candidates it was drawn from."""
     found = []
     for key, entry in later.items():
         before = earlier.get(key)
@@ -67,7 +69,8 @@ def regrets(earlier: dict, later: dict, size: int) -> list[float]:
         timings = entry["timings_us"]
         launches = [launch_of(name) for name in [*timings, *entry.get("rejected", {})]]
         picked = [tuned_files.candidate_id(launch) for launch in tuner.shortlist(launches, before, size)]
-        found.append(min(timings.get(name, float("inf")) for name in picked) / min(timings.values()))
+        found.append((min(timings.get(name, float("inf")) for name in picked) / min(timings.values()), len(picked),
+                      len(launches)))
     return found
 
 
@@ -83,12 +86,15 @@ def main() -> None:
         pairs += zip(versions, versions[1:])
     print(f"{len(files)} files, {len(pairs)} successive tunes")
     for size in args.sizes:
-        found = [regret for earlier, later in pairs for regret in regrets(earlier, later, size)]
-        if not found:
+        rows = [row for earlier, later in pairs for row in regrets(earlier, later, size)]
+        if not rows:
             print(f"K {size}: no bucket was re-timed")
             continue
+        found = [regret for regret, _, _ in rows]
+        timed, of = sum(row[1] for row in rows), sum(row[2] for row in rows)
         print(f"K {size:3d}: {len(found)} buckets, best missed in {sum(r > 1 for r in found)}, by > 2% in "
-              f"{sum(r > 1.02 for r in found)}; worst {max(found):.3f}x, mean {sum(found) / len(found):.4f}x")
+              f"{sum(r > 1.02 for r in found)}; worst {max(found):.3f}x, mean {sum(found) / len(found):.4f}x; "
+              f"{timed} of {of} candidates timed ({timed / of:.0%})")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import time
 from pathlib import Path
 from types import ModuleType
@@ -104,17 +105,32 @@ def bucket_candidates(module: ModuleType, space: SearchSpace, batch: int) -> lis
 
 
 def shortlist(launches: list[dict], earlier: dict | None, size: int) -> list[dict]:
-    """What a bucket times under `tqgen tune --shortlist size`: of `launches`, the `size` fastest in `earlier` (the
-    bucket's entry in an earlier tune of the file, on an earlier kernel), fastest first, then every launch that
-    entry neither timed nor rejected (new to the search space). All of `launches` where it timed none of them."""
-    by_name = {tuned_files.candidate_id(launch): launch for launch in launches}
+    """What a bucket times under `tqgen tune --shortlist size`: of `launches`, those of the `size` launches fastest in
+    `earlier` (the bucket's entry in an earlier tune of the file, on an earlier kernel), fastest first, then every
+    launch that entry neither timed nor rejected (new to the search space). Where the earlier tune had no choice of
+    the query's rotation, or of the split merge, each choice of a launch counts as that launch (the earlier one ran
+    decode's own way): the merge of a launch that was slow is not timed, that of a fast one is. All of `launches`
+    where the entry timed none of them."""
     timings = (earlier or {}).get("timings_us") or {}
     rejected = (earlier or {}).get("rejected")
     seen = set(timings) | (set(rejected) if isinstance(rejected, dict) else set())
-    ranked = sorted((name for name in timings if name in by_name), key=lambda name: (timings[name], name))
-    if not ranked:
+    # Fields the earlier tune's ids never carried (tuned_files.candidate_id's suffixes).
+    unknown = {tuned_files.ROTATE_FIELD} if not any(re.search(r"_[rp]q(_ms)?$", name) for name in seen) else set()
+    unknown |= {tuned_files.MERGE_FIELD} if not any(name.endswith("_ms") for name in seen) else set()
+
+    def earlier_name(launch: dict) -> str:
+        name = tuned_files.candidate_id(launch)
+        if name in seen:
+            return name
+        return tuned_files.candidate_id({field: value for field, value in launch.items() if field not in unknown})
+
+    names = [(earlier_name(launch), launch) for launch in launches]
+    fastest = sorted({name for name, _ in names if name in timings}, key=lambda name: (timings[name], name))[:size]
+    if not fastest:
         return launches
-    return [by_name[name] for name in ranked[:size]] + [launch for name, launch in by_name.items() if name not in seen]
+    rank = {name: index for index, name in enumerate(fastest)}
+    chosen = sorted((pair for pair in names if pair[0] in rank), key=lambda pair: rank[pair[0]])
+    return [launch for _, launch in chosen] + [launch for name, launch in names if name not in seen]
 
 
 def cuda_graph_timer(fn: Callable[[], object]) -> float:
