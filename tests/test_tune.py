@@ -457,6 +457,29 @@ def test_a_shortlisted_retune_times_only_the_earlier_fastest_and_says_so(setup, 
     assert len(kept) == 1 and kept[0].read_bytes() == before
 
 
+def test_a_shortlist_the_new_kernels_reject_whole_falls_back_to_every_candidate(setup, tmp_path, monkeypatch):
+    """If every launch of a bucket's shortlist fails on the new kernels (they no longer compile, say), the bucket
+    times every candidate before it gives up: the others may run."""
+    _, module = setup
+    path, _ = run_tune(setup, tmp_path, buckets=BUCKETS[:1])
+    ids = [tuned_files.candidate_id(launch) for launch in candidates(module, 2)]
+    _staled(path, lambda buckets: buckets["g2_b2_t256"].update(timings_us={name: 1.0 if name == ids[0] else 50.0
+                                                                             for name in ids}))
+    original = module.decode
+
+    def failing(*args, **kwargs):
+        if tuned_files.candidate_id(kwargs) == ids[0]:
+            raise RuntimeError("out of resources")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "decode", failing)
+    _, lines = run_tune(setup, tmp_path, buckets=BUCKETS[:1], force=True, shortlist_size=1)
+    entry = json.loads(path.read_text())["buckets"]["g2_b2_t256"]
+    assert "every launch of the shortlist was rejected" in lines[1] and "best" in lines[2], lines
+    assert set(entry["timings_us"]) == set(ids[1:]) and list(entry["rejected"]) == [ids[0]]
+    assert "shortlist" not in entry
+
+
 def test_a_shortlisted_retune_resumes_from_the_file_it_set_aside(setup, tmp_path):
     """A shortlisted re-tune killed after its first bucket: the re-run (no --force: the new file is current) takes
     the rest's shortlists from the earlier file, which the first run kept as NAME.json.replaced-TIME."""

@@ -18,6 +18,7 @@ launches that tune did not know.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 import time
@@ -395,10 +396,19 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
         if key in done and not force:
             progress(f"[{index}/{total}] {key}: already tuned ({tuned_files.candidate_id(done[key]['best'])}), skipped")
             continue
+        bucket = functools.partial(tune_bucket, module, config, group_size, batch, context, space, timer=timer,
+                                   screen_timer=screen_timer, num_kv_heads=num_kv_heads, device=device)
         try:
-            entry = tune_bucket(module, config, group_size, batch, context, space, timer=timer,
-                                screen_timer=screen_timer, num_kv_heads=num_kv_heads, device=device,
-                                launches=launches_of[(group_size, batch, context)])
+            try:
+                entry = bucket(launches=launches_of[(group_size, batch, context)])
+            except TqgenError as exc:
+                if key not in shortlisted:
+                    raise
+                # The new kernels reject every launch of the shortlist: the others may still run.
+                progress(f"[{index}/{total}] {key}: every launch of the shortlist was rejected ({exc}); timing "
+                         f"every candidate")
+                del shortlisted[key]
+                entry = bucket()
         except TqgenError as exc:  # one bad bucket must not cost the others: report it, go on
             failed.append(key)
             progress(f"[{index}/{total}] {key}: FAILED, {exc}")
