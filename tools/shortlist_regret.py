@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,19 +24,11 @@ sys.path.insert(0, str(REPO))
 
 from tqgen import tuned_files, tuner  # noqa: E402
 
-_ID = re.compile(r"kv(\d+)_w(\d+)_st(\d+)_sp(\d+)(_rq|_pq)?(_ms)?")
-
-
 def launch_of(name: str) -> dict:
-    """The launch a candidate id names (tuned_files.candidate_id's inverse)."""
-    match = _ID.fullmatch(name)
-    if not match:
+    """The launch a candidate id names (tuned_files.launch_of_id), or ValueError."""
+    launch = tuned_files.launch_of_id(name)
+    if launch is None:
         raise ValueError(f"not a candidate id: {name!r}")
-    launch = dict(zip(tuned_files.LAUNCH_FIELDS, (int(group) for group in match.groups()[:4])))
-    if match.group(5):
-        launch[tuned_files.ROTATE_FIELD] = match.group(5) == "_rq"
-    if match.group(6):
-        launch[tuned_files.MERGE_FIELD] = True
     return launch
 
 

@@ -109,6 +109,23 @@ def candidate_id(launch: dict[str, int]) -> str:
     return name + "_ms" if launch.get(MERGE_FIELD) else name
 
 
+_CANDIDATE_ID = re.compile(r"kv(\d+)_w(\d+)_st(\d+)_sp(\d+)(_rq|_pq)?(_ms)?")
+
+
+def launch_of_id(name: str) -> dict | None:
+    """The launch a candidate id names (candidate_id's inverse: a merge by stage 2 has no suffix, so it reads back
+    without a MERGE_FIELD); None for a string that is no candidate id."""
+    match = _CANDIDATE_ID.fullmatch(name)
+    if not match:
+        return None
+    launch = dict(zip(LAUNCH_FIELDS, (int(group) for group in match.groups()[:4])))
+    if match.group(5):
+        launch[ROTATE_FIELD] = match.group(5) == "_rq"
+    if match.group(6):
+        launch[MERGE_FIELD] = True
+    return launch
+
+
 def baked_launch(best: dict) -> tuple:
     """A bucket's best launch as a module bakes it: the LAUNCH_FIELDS, then the ROTATE_FIELD if it has one; with
     a MERGE_FIELD, the ROTATE_FIELD or None and then the MERGE_FIELD."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import re
 import time
 from pathlib import Path
 from types import ModuleType
@@ -115,9 +114,9 @@ def shortlist(launches: list[dict], earlier: dict | None, size: int) -> list[dic
     timings = (earlier or {}).get("timings_us") or {}
     rejected = (earlier or {}).get("rejected")
     seen = set(timings) | (set(rejected) if isinstance(rejected, dict) else set())
-    # Fields the earlier tune's ids never carried (tuned_files.candidate_id's suffixes).
-    unknown = {tuned_files.ROTATE_FIELD} if not any(re.search(r"_[rp]q(_ms)?$", name) for name in seen) else set()
-    unknown |= {tuned_files.MERGE_FIELD} if not any(name.endswith("_ms") for name in seen) else set()
+    # The optional fields the earlier tune's ids never carried.
+    carried = {field for name in seen for field in tuned_files.launch_of_id(name) or {}}
+    unknown = {tuned_files.ROTATE_FIELD, tuned_files.MERGE_FIELD} - carried
 
     def earlier_name(launch: dict) -> str:
         name = tuned_files.candidate_id(launch)
@@ -337,6 +336,24 @@ def precompile(module: ModuleType, config: Config, shapes, space: SearchSpace, *
     progress(f"compiled in {time.monotonic() - started:.0f} s{note}")
 
 
+def _bucket_launches(module: ModuleType, space: SearchSpace, todo: dict, earlier: dict,
+                     shortlist_size: int | None) -> tuple[dict, dict]:
+    """(launches_of, shortlisted) for the buckets `todo` (key -> shape): each shape's candidates, its shortlist where
+    an earlier tune timed the bucket (`earlier`: tuned_files.earlier_buckets), and per shortlisted key the record
+    its entry keeps."""
+    launches_of, shortlisted = {}, {}
+    for key, shape in todo.items():
+        launches = bucket_candidates(module, space, shape[1])
+        if key in earlier:
+            entry, kernel_hash = earlier[key]
+            chosen = shortlist(launches, entry, shortlist_size)
+            if len(chosen) < len(launches):
+                shortlisted[key] = {"size": shortlist_size, "of": len(launches), "from_kernel_hash": kernel_hash}
+            launches = chosen
+        launches_of[shape] = launches
+    return launches_of, shortlisted
+
+
 def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]], space: SearchSpace, *,
          root: Path, fingerprint: dict, timer: Callable = cuda_graph_timer, screen_timer: Callable | None = None,
          num_kv_heads: int = 8, device="cuda", force: bool = False, compile_workers: int = 1,
@@ -378,16 +395,7 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
         shapes.setdefault(key, (group_size, bounds["batch"][1], bounds["context"][1]))
     total = len(shapes)
     todo = {key: shape for key, shape in shapes.items() if force or key not in done}
-    launches_of, shortlisted = {}, {}
-    for key, shape in todo.items():
-        launches = bucket_candidates(module, space, shape[1])
-        if key in earlier:
-            entry, kernel_hash = earlier[key]
-            chosen = shortlist(launches, entry, shortlist_size)
-            if len(chosen) < len(launches):
-                shortlisted[key] = {"size": shortlist_size, "of": len(launches), "from_kernel_hash": kernel_hash}
-            launches = chosen
-        launches_of[shape] = launches
+    launches_of, shortlisted = _bucket_launches(module, space, todo, earlier, shortlist_size)
     if todo and compile_workers > 1:
         precompile(module, config, list(todo.values()), space, workers=compile_workers, num_kv_heads=num_kv_heads,
                    device=device, progress=progress, launches_of=launches_of)
