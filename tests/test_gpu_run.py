@@ -101,17 +101,21 @@ def test_test_args_reach_pytest_as_shell_words(tmp_path, test_args, passed):
     assert arguments[arguments.index("--durations=5") + 1:] == passed
 
 
-def run_tune_step(tmp_path, stale_lines, stale_status=0, status=0, **variables):
+def run_tune_step(tmp_path, stale_lines, stale_status=0, status=0, current=(), **variables):
     """tools/run_gpu.sh's tune step under a stand-in python3 that says the GPU is an H200 (sm90), answers
-    tools/stale_tuned.py with `stale_lines` and exit status `stale_status` (its arguments into stale-call) and
+    tools/stale_tuned.py with `stale_lines` and exit status `stale_status` (its arguments into stale-call), and
+    when asked about one config, with that config unless `current` names it (a file already re-tuned in part), and
     records each `tqgen.cli tune` call's arguments (one line each); the script must exit with `status`."""
     stand_in = tmp_path / "bin" / "python3"
     stand_in.parent.mkdir(parents=True)
     calls = tmp_path / "tune-calls"
+    current_words = " ".join(current)
     stand_in.write_text(
         "#!/usr/bin/env bash\n"
         'if [[ $1 == -c && $2 == *capability* ]]; then echo "9.0 NVIDIA H200"; exit 0; fi\n'
         'if [[ $1 == -c ]]; then echo "NVIDIA H200"; exit 0; fi\n'
+        f'if [[ $1 == tools/stale_tuned.py && $# == 6 ]]; then [[ " {current_words} " == *" $6 "* ]] '
+        f'|| echo "$6 4"; exit 0; fi\n'
         f'if [[ $1 == tools/stale_tuned.py ]]; then echo "$*" > "{tmp_path}/stale-call"; printf "{stale_lines}"; '
         f'exit {stale_status}; fi\n'
         f'if [[ $1 == -m && $2 == tqgen.cli && $3 == tune ]]; then echo "${{*:4}}" >> "{calls}"; exit 0; fi\n'
@@ -159,6 +163,15 @@ def test_named_configs_and_group_sizes_replace_the_stale_list(tmp_path):
     _, calls = run_tune_step(tmp_path / "again", "configs/k3v4-d128.yaml 4\\n",
                              TQGEN_TUNE_CONFIGS="configs/k8v4-d128.yaml")
     assert calls == [f"configs/k8v4-d128.yaml {TUNE_FLAGS} --force"]  # tqgen tune's own default group sizes
+
+
+def test_a_config_whose_file_is_current_resumes_without_force(tmp_path):
+    """A file a cut-off call left re-tuned in part is current: the next call naming it tunes only the buckets it
+    lacks (no --force, which would re-time them all); a stale one is set aside and re-tuned (--force)."""
+    _, calls = run_tune_step(tmp_path, "", TQGEN_TUNE_CONFIGS="configs/k8v4-d128.yaml configs/k3v4-d128.yaml",
+                             TQGEN_TUNE_GROUPS="4", current=["configs/k8v4-d128.yaml"])
+    assert calls == [f"configs/k8v4-d128.yaml {TUNE_FLAGS} --group-size 4",
+                     f"configs/k3v4-d128.yaml {TUNE_FLAGS} --group-size 4 --force"]
 
 
 def test_the_tune_step_fails_when_the_stale_list_does_and_still_retunes_what_it_listed(tmp_path):

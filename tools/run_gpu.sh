@@ -9,8 +9,10 @@
 # head its file has (the planes files 1, 4, 8 and 16, the slots files 4; TQGEN_TUNE_GROUPS for all, and tqgen tune's
 # default 1, 4, 8 and 16 for configs named); TQGEN_TUNE_BATCHES limits the batches; TQGEN_TUNE_SHORTLIST the launches
 # a bucket re-times from the stale file (default 12; empty: every candidate); docs/tuning.md), and packs
-# the tuned files written so far into OUT_DIR/tuned.tar after each config (`tar -xf tuned.tar` in the checkout
-# restores them): a call that runs out of time keeps the configs it finished; "multi" times decode_multi
+# the tuned files written so far, with the stale files set aside, into OUT_DIR/tuned.tar every 20 s (`tar -xf
+# tuned.tar` in the checkout restores them; delete the NAME.json.replaced-TIME files before committing): a call
+# that runs out of time keeps the buckets it finished, and a call naming the same configs resumes (a current file
+# only tunes the buckets it lacks, with the shortlists of the file set aside); "multi" times decode_multi
 # at q_len 1-8 against decode, tools/bench_decode_multi.py, before the benchmark; "host" the host time of eager
 # decode calls, tools/host_overhead.py, through triton's launch path and as shipped, into host.log; "merge" times
 # stage 1 merging its own splits beside stage 2 at batch 1-8 (tools/ab_modules.py --merge-in-stage1, into
@@ -47,14 +49,21 @@ if [[ $steps == *tests* ]]; then
 fi
 if [[ $steps == *tune* ]]; then
     started=$(mktemp)  # outside OUT: the device tool returns few files
+    # The capability names the arch of the GPU's files (stale_tuned.py knows only the H100's and H200's).
+    read -r capability device < <(python3 -c \
+        "import torch; print('%d.%d' % torch.cuda.get_device_capability(), torch.cuda.get_device_name())")
+    # What this step wrote so far (the files it tuned, and the stale ones --force set aside, whose timings give a
+    # resumed tune its shortlists), as one file; replaced whole, so a call cut off mid-write returns the last one.
+    pack_tuned() {
+        local written
+        written=$(find tuned \( -name '*.json' -o -name '*.json.replaced-*' \) -newer "$started")
+        [[ -n $written ]] && tar -cf "$out/.tuned.tar.part" $written && mv -f "$out/.tuned.tar.part" "$out/tuned.tar"
+    }
     # Lines of "CONFIG GROUP_SIZE...": the configs named, else those whose tuned files for this GPU are stale, each
     # with the group sizes its file was tuned for (tools/stale_tuned.py).
     if [[ -n ${TQGEN_TUNE_CONFIGS:-} ]]; then
         plan=$(for config in $TQGEN_TUNE_CONFIGS; do echo "$config"; done)
     else
-        # The capability names the arch of the GPU's files (stale_tuned.py knows only the H100's and H200's).
-        read -r capability device < <(python3 -c \
-            "import torch; print('%d.%d' % torch.cuda.get_device_capability(), torch.cuda.get_device_name())")
         # A failure (a tuned file it cannot read) comes after the configs it could list: those are still re-tuned.
         if plan=$(python3 tools/stale_tuned.py --device "$device" --capability "$capability"); then
             [[ -z $plan ]] && echo "tune: no committed tuned file for $device is stale (TQGEN_TUNE_CONFIGS names some)"
@@ -71,13 +80,25 @@ if [[ $steps == *tune* ]]; then
         # small-batch bucket times 40 candidates instead of 96. Each bucket times the 12 launches fastest in the
         # stale file and those it did not time (TQGEN_TUNE_SHORTLIST, empty for every candidate): in 949 buckets of
         # the committed files' successive tunes the best of the earlier 12 was at most 1.7% slower (docs/tuning.md).
+        # --force only for a stale file (set aside, every bucket re-tuned); a current one, left by a call that ran
+        # out of time, keeps its buckets and tunes those it lacks.
+        # (A file stale_tuned.py cannot read is damaged: --force sets it aside too.)
+        force=$(python3 tools/stale_tuned.py --device "$device" --capability "$capability" "$config" 2>/dev/null) \
+            || force=damaged
         python3 -m tqgen.cli tune "$config" --warps 1 --stages 1 2 --block-kv 32 64 \
             --rotate-query stage1 --merge-max-splits 32 ${shortlist:+--shortlist $shortlist} \
             ${groups:+--group-size $groups} ${TQGEN_TUNE_BATCHES:+--batch $TQGEN_TUNE_BATCHES} \
-            --force >> "$out/tune.log" 2>&1 < /dev/null
-        rc=$?; tail -1 "$out/tune.log"; echo "tune $config exit code: $rc"; (( rc )) && status=1
-        written=$(find tuned -name '*.json' -newer "$started")  # what this step wrote so far, as one file
-        [[ -n $written ]] && tar -cf "$out/tuned.tar" $written
+            ${force:+--force} >> "$out/tune.log" 2>&1 < /dev/null &
+        tuning=$!
+        # A `timeout` ending this script ends the tune too, and packs what it saved.
+        trap 'kill $tuning 2>/dev/null; pack_tuned; echo "tune: stopped in $config"; exit 1' TERM INT
+        for (( seconds = 1; ; seconds++ )); do
+            sleep 1; kill -0 $tuning 2>/dev/null || break
+            (( seconds % 20 )) || pack_tuned
+        done
+        wait $tuning; rc=$?; trap - TERM INT
+        tail -1 "$out/tune.log"; echo "tune $config exit code: $rc"; (( rc )) && status=1
+        pack_tuned
     done <<< "$plan"
 fi
 if [[ $steps == *sanitize* ]]; then
