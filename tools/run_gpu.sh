@@ -54,9 +54,10 @@ if [[ $steps == *tune* ]]; then
         "import torch; print('%d.%d' % torch.cuda.get_device_capability(), torch.cuda.get_device_name())")
     # What this step wrote so far (the files it tuned, and the stale ones --force set aside, whose timings give a
     # resumed tune its shortlists), as one file; replaced whole, so a call cut off mid-write returns the last one.
+    # -cnewer: a rename changes a file's ctime, not its mtime.
     pack_tuned() {
         local written
-        written=$(find tuned \( -name '*.json' -o -name '*.json.replaced-*' \) -newer "$started")
+        written=$(find tuned \( -name '*.json' -o -name '*.json.replaced-*' \) -cnewer "$started")
         [[ -n $written ]] && tar -cf "$out/.tuned.tar.part" $written && mv -f "$out/.tuned.tar.part" "$out/tuned.tar"
     }
     # Lines of "CONFIG GROUP_SIZE...": the configs named, else those whose tuned files for this GPU are stale, each
