@@ -101,21 +101,26 @@ def test_test_args_reach_pytest_as_shell_words(tmp_path, test_args, passed):
     assert arguments[arguments.index("--durations=5") + 1:] == passed
 
 
-def run_tune_step(tmp_path, stale_lines, stale_status=0, status=0, current=(), **variables):
+def run_tune_step(tmp_path, stale_lines, stale_status=0, status=0, current=(), file_groups=None, **variables):
     """tools/run_gpu.sh's tune step under a stand-in python3 that says the GPU is an H200 (sm90), answers
-    tools/stale_tuned.py with `stale_lines` and exit status `stale_status` (its arguments into stale-call), and
-    when asked about one config, with that config unless `current` names it (a file already re-tuned in part), and
-    records each `tqgen.cli tune` call's arguments (one line each); the script must exit with `status`."""
+    tools/stale_tuned.py with `stale_lines` and exit status `stale_status` (its arguments into stale-call); asked
+    about one config, with that config unless `current` names it (a file already re-tuned in part); with
+    --include-current, each config with its file's group sizes from `file_groups` (none: a config without a file);
+    and records each `tqgen.cli tune` call's arguments (one line each); the script must exit with `status`."""
     stand_in = tmp_path / "bin" / "python3"
     stand_in.parent.mkdir(parents=True)
     calls = tmp_path / "tune-calls"
     current_words = " ".join(current)
+    groups_of = "".join(f'[[ $config == {config} ]] && groups=" {groups}"; '
+                        for config, groups in (file_groups or {}).items())
     stand_in.write_text(
         "#!/usr/bin/env bash\n"
         'if [[ $1 == -c && $2 == *capability* ]]; then echo "9.0 NVIDIA H200"; exit 0; fi\n'
         'if [[ $1 == -c ]]; then echo "NVIDIA H200"; exit 0; fi\n'
         f'if [[ $1 == tools/stale_tuned.py && $# == 6 ]]; then [[ " {current_words} " == *" $6 "* ]] '
         f'|| echo "$6 4"; exit 0; fi\n'
+        'if [[ $1 == tools/stale_tuned.py && $6 == --include-current ]]; then '
+        f'for config in "${{@:7}}"; do groups=; {groups_of}echo "$config$groups"; done; exit 0; fi\n'
         f'if [[ $1 == tools/stale_tuned.py ]]; then echo "$*" > "{tmp_path}/stale-call"; printf "{stale_lines}"; '
         f'exit {stale_status}; fi\n'
         f'if [[ $1 == -m && $2 == tqgen.cli && $3 == tune ]]; then echo "${{*:4}}" >> "{calls}"; exit 0; fi\n'
@@ -160,9 +165,12 @@ def test_named_configs_and_group_sizes_replace_the_stale_list(tmp_path):
     _, calls = run_tune_step(tmp_path, "configs/k3v4-d128.yaml 4\\n", TQGEN_TUNE_CONFIGS="configs/k8v4-d128.yaml",
                              TQGEN_TUNE_GROUPS="8")
     assert calls == [f"configs/k8v4-d128.yaml {TUNE_FLAGS} --group-size 8 --force"]
+    # A config named without TQGEN_TUNE_GROUPS: its file's group sizes, or with no file tqgen tune's default ones.
     _, calls = run_tune_step(tmp_path / "again", "configs/k3v4-d128.yaml 4\\n",
-                             TQGEN_TUNE_CONFIGS="configs/k8v4-d128.yaml")
-    assert calls == [f"configs/k8v4-d128.yaml {TUNE_FLAGS} --force"]  # tqgen tune's own default group sizes
+                             TQGEN_TUNE_CONFIGS="configs/k8v4-d128.yaml configs/k3v4-d128-planes.yaml",
+                             file_groups={"configs/k8v4-d128.yaml": "4"})
+    assert calls == [f"configs/k8v4-d128.yaml {TUNE_FLAGS} --group-size 4 --force",
+                     f"configs/k3v4-d128-planes.yaml {TUNE_FLAGS} --force"]
 
 
 def test_a_config_whose_file_is_current_resumes_without_force(tmp_path):

@@ -829,13 +829,18 @@ def test_stale_tuned_lists_the_configs_a_re_tune_must_redo_with_their_group_size
     shutil.copytree(REPO / "tuned" / "NVIDIA_H200", tmp_path / "NVIDIA_H200")
     configs = ["configs/k3v4-d128.yaml", "configs/k3v4-d128-planes.yaml"]
 
-    def stale(device="NVIDIA H200"):
+    def stale(device="NVIDIA H200", *options):
         result = subprocess.run([sys.executable, "tools/stale_tuned.py", "--tuned-dir", str(tmp_path), "--device",
-                                 device, *configs], cwd=REPO, capture_output=True, text=True, timeout=300)
+                                 device, *options, *configs], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr
         return result.stdout.splitlines()
 
     assert stale() == []
+    # --include-current (run_gpu.sh's configs named): each config with its file's group sizes, stale or not, and
+    # without any where it has no file.
+    assert stale("NVIDIA H200", "--include-current") == ["configs/k3v4-d128.yaml 4",
+                                                        "configs/k3v4-d128-planes.yaml 1 4 8 16"]
+    assert stale("NVIDIA H100 80GB HBM3", "--include-current") == configs
     config = config_mod.resolve_arch(config_mod.load(REPO / configs[1]), (9, 0))
     path = tuned_files.tuned_path(tmp_path, "NVIDIA H200", config)
     document = json.loads(path.read_text())

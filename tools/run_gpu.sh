@@ -2,17 +2,19 @@
 # The GPU run: every kernel test on the device, compute-sanitizer (memcheck and
 # racecheck) over every kernel of every shipped config, then the benchmark
 # table, printed last (with a PNG chart when matplotlib is installed).
-# The full grid of BENCHMARKS.md: TQGEN_BENCH_ARGS="--batch 1 8 32 64 128 --context 1024 4096 16384 65536".
+# A grid of batches and contexts: TQGEN_BENCH_ARGS="--batch 1 8 32 64 128 --context 1024 4096 16384 65536".
 # Usage (on a CUDA machine, from the repository root): bash tools/run_gpu.sh [OUT_DIR]
 # TQGEN_GPU_STEPS picks steps (default "tests sanitize bench"; "tune" re-tunes TQGEN_TUNE_CONFIGS, default the
 # configs whose committed tuned files for this GPU are stale (tools/stale_tuned.py), each for the query heads per KV
 # head its file has (the planes files 1, 4, 8 and 16, the slots files 4; TQGEN_TUNE_GROUPS for all, and tqgen tune's
-# default 1, 4, 8 and 16 for configs named); TQGEN_TUNE_BATCHES limits the batches; TQGEN_TUNE_SHORTLIST the launches
-# a bucket re-times from the stale file (default 12; empty: every candidate); docs/tuning.md), and packs
+# default 1, 4, 8 and 16 for a config named that has no file); TQGEN_TUNE_BATCHES limits the batches;
+# TQGEN_TUNE_SHORTLIST the launches a bucket re-times from the stale file (default 12; empty: every candidate);
+# docs/tuning.md), and packs
 # the tuned files written so far, with the stale files set aside, into OUT_DIR/tuned.tar every 20 s (`tar -xf
 # tuned.tar` in the checkout restores them; delete the NAME.json.replaced-TIME files before committing): a call
-# that runs out of time keeps the buckets it finished, and a call naming the same configs resumes (a current file
-# only tunes the buckets it lacks, with the shortlists of the file set aside); "multi" times decode_multi
+# that runs out of time keeps the buckets it finished, and after that `tar -xf`, a call naming the config it was in
+# resumes it (a current file only tunes the buckets it lacks, with the shortlists of the file set aside; the stale
+# list no longer has it); "multi" times decode_multi
 # at q_len 1-8 against decode, tools/bench_decode_multi.py, before the benchmark; "host" the host time of eager
 # decode calls, tools/host_overhead.py, through triton's launch path and as shipped, into host.log; "merge" times
 # stage 1 merging its own splits beside stage 2 at batch 1-8 (tools/ab_modules.py --merge-in-stage1, into
@@ -61,9 +63,10 @@ if [[ $steps == *tune* ]]; then
         [[ -n $written ]] && tar -cf "$out/.tuned.tar.part" $written && mv -f "$out/.tuned.tar.part" "$out/tuned.tar"
     }
     # Lines of "CONFIG GROUP_SIZE...": the configs named, else those whose tuned files for this GPU are stale, each
-    # with the group sizes its file was tuned for (tools/stale_tuned.py).
+    # with the group sizes its file was tuned for (tools/stale_tuned.py; a config named with no file has none).
     if [[ -n ${TQGEN_TUNE_CONFIGS:-} ]]; then
-        plan=$(for config in $TQGEN_TUNE_CONFIGS; do echo "$config"; done)
+        plan=$(python3 tools/stale_tuned.py --device "$device" --capability "$capability" --include-current \
+            $TQGEN_TUNE_CONFIGS) || { status=1; echo "tune: tools/stale_tuned.py failed on TQGEN_TUNE_CONFIGS"; }
     else
         # A failure (a tuned file it cannot read) comes after the configs it could list: those are still re-tuned.
         if plan=$(python3 tools/stale_tuned.py --device "$device" --capability "$capability"); then

@@ -1,6 +1,7 @@
 """The configs whose committed tuned files for one GPU no longer match their decode kernels: what a re-tune must redo.
 
-    python3 tools/stale_tuned.py [--device "NVIDIA H200"] [--capability 9.0] [--tuned-dir tuned] [CONFIG ...]
+    python3 tools/stale_tuned.py [--device "NVIDIA H200"] [--capability 9.0] [--tuned-dir tuned] [--include-current]
+                                 [CONFIG ...]
 
 A tuned file holds the launches timed on one version of the decode code (its `kernel_hash`); after a change to
 the decode kernels a build ignores it and `test_committed_tuned_files_are_current` fails, until the config is
@@ -10,7 +11,9 @@ its file was tuned for, as `tqgen tune --group-size` takes them, so that the re-
 (the planes files have 1, 4, 8 and 16; the slots files 4). Prints nothing when every file is current or absent
 (a GPU without a tuned folder: a note on stderr). A file too damaged to say its group sizes is named on stderr
 after the list, and the exit status is 1. tools/run_gpu.sh's tune step re-tunes these for the GPU it runs on
-unless TQGEN_TUNE_CONFIGS names configs.
+unless TQGEN_TUNE_CONFIGS names configs. --include-current lists every config the same way, stale or not, and one
+without a file alone on its line: what that step tunes for the configs named (a current file's buckets are kept,
+and its missing ones tuned at its own group sizes: the resume of a re-tune that ran out of time).
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ from tqgen.errors import TqgenError  # noqa: E402
 DEVICE_CAPABILITY = {"NVIDIA H200": (9, 0), "NVIDIA H100 80GB HBM3": (9, 0)}
 
 
-def stale_configs(paths, device: str, capability: tuple[int, int], tuned_dir: Path,
-                  problems: list[str]) -> list[tuple[Path, list[int]]]:
+def stale_configs(paths, device: str, capability: tuple[int, int], tuned_dir: Path, problems: list[str],
+                  include_current: bool = False) -> list[tuple[Path, list[int]]]:
     """(config path, group sizes of its file) for each config whose file for `device` a build would ignore; a line
-    in `problems` for each such file too damaged to say its group sizes (the configs after it are still listed)."""
+    in `problems` for each such file too damaged to say its group sizes (the configs after it are still listed).
+    include_current: every config, a current file's too, and one with no file with no group sizes."""
     stale = []
     for path in paths:
         try:
@@ -43,8 +47,10 @@ def stale_configs(paths, device: str, capability: tuple[int, int], tuned_dir: Pa
             sys.exit(f"stale_tuned: {exc}")
         tuned = tuned_files.tuned_path(tuned_dir, device, config)
         if not tuned.is_file():
+            if include_current:
+                stale.append((Path(path), []))
             continue
-        if device in tuned_files.baked_launches(tuned_dir, config, lambda message: None):
+        if not include_current and device in tuned_files.baked_launches(tuned_dir, config, lambda message: None):
             continue
         try:
             groups = sorted({entry["group_size"] for entry in json.loads(tuned.read_text())["buckets"].values()})
@@ -66,6 +72,8 @@ def main() -> None:
                         help="the GPU's compute capability, which names its files' arch (default: known for "
                              + ", ".join(DEVICE_CAPABILITY) + ")")
     parser.add_argument("--tuned-dir", type=Path, default=REPO / "tuned")
+    parser.add_argument("--include-current", action="store_true",
+                        help="list current files' configs too, and configs with no file (without group sizes)")
     args = parser.parse_args()
     if not args.tuned_dir.is_dir():
         sys.exit(f"--tuned-dir {args.tuned_dir}: no such folder")
@@ -76,7 +84,7 @@ def main() -> None:
             sys.exit(f"stale_tuned: --capability {args.capability!r}: expected MAJOR.MINOR, like 9.0")
         capability = (int(major), int(minor))
     folder = args.tuned_dir / tuned_files.device_folder_name(args.device)
-    if not folder.is_dir():
+    if not folder.is_dir() and not args.include_current:
         print(f"stale_tuned: no tuned files for {args.device} (no folder {folder}): nothing to re-tune",
               file=sys.stderr)
         return
@@ -87,7 +95,7 @@ def main() -> None:
     # this repository's; printed relative to the repository, where tools/run_gpu.sh runs.
     paths = args.configs or sorted((REPO / "configs").glob("*.yaml"))
     problems = []
-    for path, groups in stale_configs(paths, args.device, capability, args.tuned_dir, problems):
+    for path, groups in stale_configs(paths, args.device, capability, args.tuned_dir, problems, args.include_current):
         print(path if args.configs else path.relative_to(REPO), *groups)
     for problem in problems:
         print(problem, file=sys.stderr)
