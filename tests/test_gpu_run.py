@@ -104,7 +104,7 @@ def test_test_args_reach_pytest_as_shell_words(tmp_path, test_args, passed):
 def run_tune_step(tmp_path, stale_lines, stale_status=0, status=0, current=(), file_groups=None, **variables):
     """tools/run_gpu.sh's tune step under a stand-in python3 that says the GPU is an H200 (sm90), answers
     tools/stale_tuned.py with `stale_lines` and exit status `stale_status` (its arguments into stale-call); asked
-    about one config, with that config unless `current` names it (a file already re-tuned in part); with
+    about one config's file needing --force, with that config unless `current` names it (a file re-tuned in part); with
     --include-current, each config with its file's group sizes from `file_groups` (none: a config without a file);
     and records each `tqgen.cli tune` call's arguments (one line each); the script must exit with `status`."""
     stand_in = tmp_path / "bin" / "python3"
@@ -117,8 +117,8 @@ def run_tune_step(tmp_path, stale_lines, stale_status=0, status=0, current=(), f
         "#!/usr/bin/env bash\n"
         'if [[ $1 == -c && $2 == *capability* ]]; then echo "9.0 NVIDIA H200"; exit 0; fi\n'
         'if [[ $1 == -c ]]; then echo "NVIDIA H200"; exit 0; fi\n'
-        f'if [[ $1 == tools/stale_tuned.py && $# == 6 ]]; then [[ " {current_words} " == *" $6 "* ]] '
-        f'|| echo "$6 4"; exit 0; fi\n'
+        f'if [[ $1 == tools/stale_tuned.py && $6 == --stale-only ]]; then [[ " {current_words} " == *" $7 "* ]] '
+        f'|| echo "$7 4"; exit 0; fi\n'
         'if [[ $1 == tools/stale_tuned.py && $6 == --include-current ]]; then '
         f'for config in "${{@:7}}"; do groups=; {groups_of}echo "$config$groups"; done; exit 0; fi\n'
         f'if [[ $1 == tools/stale_tuned.py ]]; then echo "$*" > "{tmp_path}/stale-call"; printf "{stale_lines}"; '

@@ -841,8 +841,21 @@ def test_stale_tuned_lists_the_configs_a_re_tune_must_redo_with_their_group_size
     assert stale("NVIDIA H200", "--include-current") == ["configs/k3v4-d128.yaml 4",
                                                         "configs/k3v4-d128-planes.yaml 1 4 8 16"]
     assert stale("NVIDIA H100 80GB HBM3", "--include-current") == configs
+    # A re-tune cut off part way: the current file lacks buckets of the stale one --force set aside. Listed, with
+    # both files' group sizes, so that the next run resumes it; not with --stale-only (it needs no --force).
     config = config_mod.resolve_arch(config_mod.load(REPO / configs[1]), (9, 0))
     path = tuned_files.tuned_path(tmp_path, "NVIDIA H200", config)
+    set_aside = path.with_name(f"{path.name}.replaced-20261206T000000")
+    shutil.copy(path, set_aside)
+    document = json.loads(path.read_text())
+    document["buckets"] = {key: entry for key, entry in document["buckets"].items() if entry["group_size"] == 1}
+    path.write_text(json.dumps(document))
+    assert stale() == ["configs/k3v4-d128-planes.yaml 1 4 8 16"]
+    assert stale("NVIDIA H200", "--include-current")[1] == "configs/k3v4-d128-planes.yaml 1 4 8 16"
+    assert stale("NVIDIA H200", "--stale-only") == []
+    shutil.copy(set_aside, path)  # finished: nothing to resume
+    assert stale() == []
+    set_aside.unlink()
     document = json.loads(path.read_text())
     document["metadata"]["kernel_hash"] = "0" * 64
     path.write_text(json.dumps(document))

@@ -12,9 +12,9 @@
 # docs/tuning.md), and packs
 # the tuned files written so far, with the stale files set aside, into OUT_DIR/tuned.tar every 20 s (`tar -xf
 # tuned.tar` in the checkout restores them; delete the NAME.json.replaced-TIME files before committing): a call
-# that runs out of time keeps the buckets it finished, and after that `tar -xf`, a call naming the config it was in
-# resumes it (a current file only tunes the buckets it lacks, with the shortlists of the file set aside; the stale
-# list no longer has it); "multi" times decode_multi
+# that runs out of time keeps the buckets it finished, and after that `tar -xf` the next call resumes (the stale
+# list has the config it was in, whose current file then tunes only the buckets it lacks, with the shortlists of
+# the file set aside); "multi" times decode_multi
 # at q_len 1-8 against decode, tools/bench_decode_multi.py, before the benchmark; "host" the host time of eager
 # decode calls, tools/host_overhead.py, through triton's launch path and as shipped, into host.log; "merge" times
 # stage 1 merging its own splits beside stage 2 at batch 1-8 (tools/ab_modules.py --merge-in-stage1, into
@@ -87,8 +87,8 @@ if [[ $steps == *tune* ]]; then
         # --force only for a stale file (set aside, every bucket re-tuned); a current one, left by a call that ran
         # out of time, keeps its buckets and tunes those it lacks.
         # (A file stale_tuned.py cannot read is damaged: --force sets it aside too.)
-        force=$(python3 tools/stale_tuned.py --device "$device" --capability "$capability" "$config" 2>/dev/null) \
-            || force=damaged
+        force=$(python3 tools/stale_tuned.py --device "$device" --capability "$capability" --stale-only "$config" \
+            2>/dev/null) || force=damaged
         python3 -m tqgen.cli tune "$config" --warps 1 --stages 1 2 --block-kv 32 64 \
             --rotate-query stage1 --merge-max-splits 32 ${shortlist:+--shortlist $shortlist} \
             ${groups:+--group-size $groups} ${TQGEN_TUNE_BATCHES:+--batch $TQGEN_TUNE_BATCHES} \

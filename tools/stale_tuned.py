@@ -1,7 +1,7 @@
 """The configs whose committed tuned files for one GPU no longer match their decode kernels: what a re-tune must redo.
 
-    python3 tools/stale_tuned.py [--device "NVIDIA H200"] [--capability 9.0] [--tuned-dir tuned] [--include-current]
-                                 [CONFIG ...]
+    python3 tools/stale_tuned.py [--device "NVIDIA H200"] [--capability 9.0] [--tuned-dir tuned]
+                                 [--stale-only | --include-current] [CONFIG ...]
 
 A tuned file holds the launches timed on one version of the decode code (its `kernel_hash`); after a change to
 the decode kernels a build ignores it and `test_committed_tuned_files_are_current` fails, until the config is
@@ -11,14 +11,20 @@ its file was tuned for, as `tqgen tune --group-size` takes them, so that the re-
 (the planes files have 1, 4, 8 and 16; the slots files 4). Prints nothing when every file is current or absent
 (a GPU without a tuned folder: a note on stderr). A file too damaged to say its group sizes is named on stderr
 after the list, and the exit status is 1. tools/run_gpu.sh's tune step re-tunes these for the GPU it runs on
-unless TQGEN_TUNE_CONFIGS names configs. --include-current lists every config the same way, stale or not, and one
-without a file alone on its line: what that step tunes for the configs named (a current file's buckets are kept,
-and its missing ones tuned at its own group sizes: the resume of a re-tune that ran out of time).
+unless TQGEN_TUNE_CONFIGS names configs.
+
+A re-tune cut off part way (tools/run_gpu.sh returns what it saved) leaves a current file beside the stale one that
+`tqgen tune --force` set aside (NAME.json.replaced-TIME): while that one holds buckets the current file lacks, the
+config is listed too, with both files' group sizes, so the next run resumes it (`tqgen tune` without --force keeps
+the current file's buckets and tunes the rest, shortlisted by the set-aside file's timings). --stale-only leaves
+those out: the files that need --force. --include-current lists every config, stale or not, and one without a
+file alone on its line: what run_gpu.sh tunes for the configs named.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import sys
 from pathlib import Path
@@ -35,11 +41,12 @@ DEVICE_CAPABILITY = {"NVIDIA H200": (9, 0), "NVIDIA H100 80GB HBM3": (9, 0)}
 
 
 def stale_configs(paths, device: str, capability: tuple[int, int], tuned_dir: Path, problems: list[str],
-                  include_current: bool = False) -> list[tuple[Path, list[int]]]:
-    """(config path, group sizes of its file) for each config whose file for `device` a build would ignore; a line
-    in `problems` for each such file too damaged to say its group sizes (the configs after it are still listed).
-    include_current: every config, a current file's too, and one with no file with no group sizes."""
-    stale = []
+                  include_current: bool = False, stale_only: bool = False) -> list[tuple[Path, list[int]]]:
+    """(config path, group sizes of its file) for each config whose file for `device` a build would ignore, or
+    whose re-tune was cut off part way (unless stale_only); a line in `problems` for each such file too damaged to
+    say its group sizes (the configs after it are still listed). include_current: every config, a current file's
+    too, and one with no file with no group sizes."""
+    listed = []
     for path in paths:
         try:
             config = config_mod.resolve_arch(config_mod.load(path if Path(path).exists() else REPO / path), capability)
@@ -48,20 +55,42 @@ def stale_configs(paths, device: str, capability: tuple[int, int], tuned_dir: Pa
         tuned = tuned_files.tuned_path(tuned_dir, device, config)
         if not tuned.is_file():
             if include_current:
-                stale.append((Path(path), []))
+                listed.append((Path(path), []))
             continue
-        if not include_current and device in tuned_files.baked_launches(tuned_dir, config, lambda message: None):
-            continue
+        sources = [tuned]
+        if device in tuned_files.baked_launches(tuned_dir, config, lambda message: None):
+            set_aside = None if stale_only else cut_off_retune(tuned)
+            if set_aside is not None:  # its group sizes are the re-tune's too
+                sources.append(set_aside)
+            elif not include_current:
+                continue
         try:
-            groups = sorted({entry["group_size"] for entry in json.loads(tuned.read_text())["buckets"].values()})
+            groups = sorted({entry["group_size"] for source in sources for entry in _buckets(source).values()})
             if not all(type(group) is int and group > 0 for group in groups):
                 raise ValueError(f"group sizes {groups}")
         except (OSError, ValueError, LookupError, TypeError, AttributeError) as exc:
             problems.append(f"{tuned}: damaged, its group sizes unknown ({type(exc).__name__}: {exc}); re-tune "
                             f"{path} with `tqgen tune --force --group-size ...`")
             continue
-        stale.append((Path(path), groups or [4]))
-    return stale
+        listed.append((Path(path), groups or [4]))
+    return listed
+
+
+def cut_off_retune(tuned: Path) -> Path | None:
+    """The stale file a re-tune set aside beside the current file `tuned` (its newest NAME.json.replaced-TIME), if
+    it holds buckets the current file lacks: that re-tune was cut off. None otherwise, or if either is damaged."""
+    set_aside = sorted(tuned.parent.glob(f"{glob.escape(tuned.name)}.replaced-*"))
+    if not set_aside:
+        return None
+    try:
+        missing = set(_buckets(set_aside[-1])) - set(_buckets(tuned))
+    except (OSError, ValueError, LookupError, TypeError, AttributeError):
+        return None
+    return set_aside[-1] if missing else None
+
+
+def _buckets(path: Path) -> dict:
+    return dict(json.loads(path.read_text(encoding="utf-8"))["buckets"])
 
 
 def main() -> None:
@@ -72,8 +101,11 @@ def main() -> None:
                         help="the GPU's compute capability, which names its files' arch (default: known for "
                              + ", ".join(DEVICE_CAPABILITY) + ")")
     parser.add_argument("--tuned-dir", type=Path, default=REPO / "tuned")
-    parser.add_argument("--include-current", action="store_true",
-                        help="list current files' configs too, and configs with no file (without group sizes)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--stale-only", action="store_true",
+                       help="leave out re-tunes cut off part way: only the files that need `tqgen tune --force`")
+    which.add_argument("--include-current", action="store_true",
+                       help="list current files' configs too, and configs with no file (without group sizes)")
     args = parser.parse_args()
     if not args.tuned_dir.is_dir():
         sys.exit(f"--tuned-dir {args.tuned_dir}: no such folder")
@@ -95,7 +127,8 @@ def main() -> None:
     # this repository's; printed relative to the repository, where tools/run_gpu.sh runs.
     paths = args.configs or sorted((REPO / "configs").glob("*.yaml"))
     problems = []
-    for path, groups in stale_configs(paths, args.device, capability, args.tuned_dir, problems, args.include_current):
+    for path, groups in stale_configs(paths, args.device, capability, args.tuned_dir, problems, args.include_current,
+                                      args.stale_only):
         print(path if args.configs else path.relative_to(REPO), *groups)
     for problem in problems:
         print(problem, file=sys.stderr)
