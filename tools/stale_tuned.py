@@ -24,7 +24,6 @@ file alone on its line: what run_gpu.sh tunes for the configs named.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import sys
 from pathlib import Path
@@ -57,15 +56,17 @@ def stale_configs(paths, device: str, capability: tuple[int, int], tuned_dir: Pa
             if include_current:
                 listed.append((Path(path), []))
             continue
-        sources = [tuned]
-        if device in tuned_files.baked_launches(tuned_dir, config, lambda message: None):
-            set_aside = None if stale_only else cut_off_retune(tuned)
-            if set_aside is not None:  # its group sizes are the re-tune's too
-                sources.append(set_aside)
-            elif not include_current:
-                continue
+        current = device in tuned_files.baked_launches(tuned_dir, config, lambda message: None)
+        if current and stale_only:
+            continue
         try:
-            groups = sorted({entry["group_size"] for source in sources for entry in _buckets(source).values()})
+            buckets = _buckets(tuned)
+            if current:
+                resumed = cut_off_retune(tuned, buckets)
+                if not resumed and not include_current:
+                    continue
+                buckets = {**resumed, **buckets}  # a cut-off re-tune's group sizes are the set-aside file's too
+            groups = sorted({entry["group_size"] for entry in buckets.values()})
             if not all(type(group) is int and group > 0 for group in groups):
                 raise ValueError(f"group sizes {groups}")
         except (OSError, ValueError, LookupError, TypeError, AttributeError) as exc:
@@ -76,17 +77,15 @@ def stale_configs(paths, device: str, capability: tuple[int, int], tuned_dir: Pa
     return listed
 
 
-def cut_off_retune(tuned: Path) -> Path | None:
-    """The stale file a re-tune set aside beside the current file `tuned` (its newest NAME.json.replaced-TIME), if
-    it holds buckets the current file lacks: that re-tune was cut off. None otherwise, or if either is damaged."""
-    set_aside = sorted(tuned.parent.glob(f"{glob.escape(tuned.name)}.replaced-*"))
-    if not set_aside:
-        return None
+def cut_off_retune(tuned: Path, buckets: dict) -> dict:
+    """The buckets of the stale file a re-tune set aside beside the current file `tuned` (whose buckets are
+    `buckets`), if it holds some the current file lacks: that re-tune was cut off. Else, or if it is damaged, {}."""
+    set_aside = tuned_files.set_aside_files(tuned)
     try:
-        missing = set(_buckets(set_aside[-1])) - set(_buckets(tuned))
+        earlier = _buckets(set_aside[-1]) if set_aside else {}
     except (OSError, ValueError, LookupError, TypeError, AttributeError):
-        return None
-    return set_aside[-1] if missing else None
+        return {}
+    return earlier if set(earlier) - set(buckets) else {}
 
 
 def _buckets(path: Path) -> dict:

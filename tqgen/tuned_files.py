@@ -257,12 +257,17 @@ def set_aside_unusable(path: Path, expected: dict[str, Any]) -> tuple[Path | Non
     return kept, {}
 
 
+def set_aside_files(path: Path) -> list[Path]:
+    """The files set_aside_unusable kept in place of the file at `path` (NAME.json.replaced-TIME), oldest first."""
+    return sorted(path.parent.glob(f"{glob.escape(path.name)}.replaced-*"))
+
+
 def earlier_buckets(path: Path, device_name: str) -> dict[str, tuple[dict[str, Any], str]]:
     """Each bucket's timings from earlier tunes of this file, whatever kernel they were timed on: the file at `path`
     and the ones a `--force` re-tune kept beside it (NAME.json.replaced-TIME), the file itself first, then the most
     recently kept. Maps a bucket key to (its entry, the kernel_hash it was timed on); a file of another device, or
     one that cannot be read, adds nothing. What `tqgen tune --shortlist` ranks the candidates by."""
-    sources = sorted(path.parent.glob(f"{glob.escape(path.name)}.replaced-*")) + [path]
+    sources = set_aside_files(path) + [path]
     found: dict[str, tuple[dict[str, Any], str]] = {}
     for source in sources:  # oldest first: a later file's entry replaces an earlier one's
         try:
