@@ -82,10 +82,12 @@ def pytest_runtest_logreport(report):
         log.write(f"{report.nodeid} [{report.when}]: {lines[0] if lines else ''}\n")
 
 
-def offline_compile_reports(*args, timeout=900):
+def offline_compile_reports(*args, timeout=900, environment=None):
     """Run `python3 ARGS` in the repository without the interpreter (triton then compiles for a GPU target offline
-    and launches nothing) and return the JSON objects it printed, one a line; fail with its stderr if it failed."""
-    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    and launches nothing), with `environment`'s variables set too, and return the JSON objects it printed, one a
+    line; fail with its stderr if it failed."""
+    environment = {**{name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"},
+                   **(environment or {})}
     environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what triton 3.9 assumes, without its warning
     result = subprocess.run([sys.executable, *args], cwd=Path(__file__).resolve().parent.parent, env=environment,
                             capture_output=True, text=True, timeout=timeout)

@@ -20,7 +20,7 @@ from conftest import (HAS_CUDA, PRESETS, KernelRecorder, check_decode, codebook_
                       offline_compile_reports, position_major_cache, stored_cache)
 from tqgen import reference, render, tuner
 from tqgen.layout import Layout
-from tqgen.plan import EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS, Plan
+from tqgen.plan import EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS, PENDING_KERNELS, Plan
 from tqgen.testing import DECODE_TOLERANCE, as_position_major, relative_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,6 +75,44 @@ def test_which_configs_get_the_kernel(fields, expected):
     assert Plan.from_config(config).mma_stage1 == expected
     assert ("def tq_decode_stage1_mma(" in source) == expected
     assert "def tq_decode_stage1(" in source  # the tl.dot kernel stays, for everything else
+
+
+@pytest.mark.parametrize("fields,expected", [
+    (dict(preset="k4v4", head_dim=64), True), (dict(preset="k3v4", head_dim=256), True),
+    (dict(preset="k4v4", head_dim=256), True),
+    (dict(preset="k3v4", head_dim=64), False),  # a key lane's 6 bytes would start mid-word in every other lane
+    (dict(preset="k3v3", head_dim=256), False), (dict(preset="k3v4", head_dim=96, rotation="random"), False),
+])
+def test_pending_halfword_slots_take_the_kernel_at_head_dims_64_and_256_only_when_asked(monkeypatch, fields,
+                                                                                       expected):
+    """Pending "halfword_slots_64_256": slots with MSE keys and 4-bit values at head_dim 64 and 256 get the Gluon
+    stage 1 where TQGEN_PENDING_KERNELS names it, and render exactly as before where it does not (their tuned
+    files hold that code's timings)."""
+    fields = dict(fields)
+    config = make_config(fields.pop("preset"), cache_layout="slots", **fields)
+    monkeypatch.delenv("TQGEN_PENDING_KERNELS", raising=False)
+    shipped = render.render(config)
+    assert "def tq_decode_stage1_mma(" not in shipped and not Plan.from_config(config).mma_halfword_slots
+    for setting in ("halfword_slots_64_256", "all", "vector_partials,halfword_slots_64_256"):
+        monkeypatch.setenv("TQGEN_PENDING_KERNELS", setting)
+        assert Plan.from_config(config).mma_halfword_slots == expected
+        assert ("def tq_decode_stage1_mma(" in render.render(config)) == expected
+    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "vector_partials")
+    assert not Plan.from_config(config).mma_halfword_slots
+
+
+def test_pending_kernels_are_named_by_the_environment_and_unknown_names_are_refused(monkeypatch):
+    config = make_config("k3v4", cache_layout="planes", arch="sm90")
+    for setting, expected in (("", set()), ("all", set(PENDING_KERNELS)), ("1", set(PENDING_KERNELS)),
+                              (" vector_partials , ", {"vector_partials"})):
+        monkeypatch.setenv("TQGEN_PENDING_KERNELS", setting)
+        assert Plan.from_config(config).pending == expected
+    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "vector_partials,no_such")
+    with pytest.raises(ValueError, match="TQGEN_PENDING_KERNELS names no_such: expected 'all' or some of"):
+        Plan.from_config(config)
+    assert Plan.from_config(config, pending=frozenset()).pending == frozenset()  # an explicit choice wins
+    with pytest.raises(ValueError, match="pending kernels no_such: expected some of"):
+        Plan.from_config(config, pending=frozenset({"no_such"}))
 
 
 # --- the tile layouts -----------------------------------------------------------
@@ -199,11 +237,31 @@ for preset, head_dim, page, block_kv, group_size, norm_correction, stages, *rest
 """
 
 
+# Pending "halfword_slots_64_256" (plan.PENDING_KERNELS), compiled with TQGEN_PENDING_KERNELS=all: slots with MSE
+# keys and 4-bit values at head_dim 64 and 256, in both dim orders.
+PENDING_COMPILE_CASES = [
+    *[(preset, head_dim, 16, block_kv, 4, True, stages, False, order)
+      for preset, head_dim in (("k4v4", 64), ("k3v4", 256)) for block_kv, stages, order in (
+          (32, 2, "slots-head-major"), (64, 3, "slots-position-major"))],
+    ("k4v4", 256, 16, 32, 4, True, 2, False, "slots-head-major"), ("k3v4", 256, 64, 32, 16, True, 2, False,
+                                                                   "slots-position-major"),
+    ("k4v4", 64, 128, 64, 1, False, 2, False, "slots-head-major"),
+]
+
+
 @pytest.fixture(scope="module")
 def compiled_cases():
     reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps([PRESETS, COMPILE_CASES]), timeout=600)
     assert len(reports) == len(COMPILE_CASES)
     return dict(zip(COMPILE_CASES, reports))
+
+
+@pytest.fixture(scope="module")
+def compiled_pending_cases():
+    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps([PRESETS, PENDING_COMPILE_CASES]), timeout=600,
+                                      environment={"TQGEN_PENDING_KERNELS": "all"})
+    assert len(reports) == len(PENDING_COMPILE_CASES)
+    return dict(zip(PENDING_COMPILE_CASES, reports))
 
 
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda case: "-".join(map(str, case)))
@@ -216,8 +274,17 @@ def test_every_launch_compiles_for_sm90(compiled_cases, case):
     the bytes a tile's tokens use, copied by cp.async as wide as each plane's alignment allows (16 bytes for
     every plane at head_dim 128 and 256; 4 bytes in slots, where fp8 keys' slots and fields are 4-byte aligned,
     in either dim order of the cache); slots with MSE keys copy the words that hold each field, a few more."""
+    _check_compiled_case(case, compiled_cases[case], frozenset())
+
+
+@pytest.mark.parametrize("case", PENDING_COMPILE_CASES, ids=lambda case: "-".join(map(str, case)))
+def test_pending_launches_compile_for_sm90(compiled_pending_cases, case):
+    """As test_every_launch_compiles_for_sm90, for the kernels that wait for a re-tune (plan.PENDING_KERNELS)."""
+    _check_compiled_case(case, compiled_pending_cases[case], frozenset(PENDING_KERNELS))
+
+
+def _check_compiled_case(case, report, pending):
     preset, head_dim, page, block_kv, group_size, norm_correction, stages, rotate, layout = case_fields(case)
-    report = compiled_cases[case]
     columns = max(8, 1 << (group_size - 1).bit_length()) // 8
     key_mmas = (block_kv // 16) * (head_dim // 16) * columns
     value_mmas = (head_dim // 16) * (block_kv // 16) * columns
@@ -231,7 +298,8 @@ def test_every_launch_compiles_for_sm90(compiled_cases, case):
         assert rotate or (report["shared_ops"] == 0 and report["shared_bytes"] == 0)
         assert report["copy_bytes"] == []
     else:
-        plan = Plan.from_config(mma_config(preset, head_dim, block_size=page, cache_layout=layout.split("-")[0]))
+        plan = Plan.from_config(mma_config(preset, head_dim, block_size=page, cache_layout=layout.split("-")[0]),
+                                pending=pending)
         token_bytes = sum((field.units or 1) * field.unit_bytes for field in plan.ring_fields)
         # Every used byte once; slots with MSE keys copy more: each field from the word at or before it, the
         # words after the lanes' runs, and (3-bit keys) 16 key words of which 13 distinct.
@@ -508,16 +576,22 @@ def test_packed_3bit_value_groups_become_exact_subnormal_codes(shift):
             assert position + 2 <= 9 and np.array_equal(got, want), (index, code)
 
 
-@pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3"])
+@pytest.mark.parametrize("preset,head_dim", [("k3v4", 128), ("k4v4", 128), ("k3v3", 128), ("k4v4", 64),
+                                             ("k3v4", 256), ("k4v4", 256)])
 @pytest.mark.parametrize("order", ["head-major", "position-major"])
-def test_halfword_slot_copies_and_shifts_give_back_every_field(preset, order):
+def test_halfword_slot_copies_and_shifts_give_back_every_field(preset, head_dim, order):
     """MSE keys in slots, emulated on the CPU: the words _mma_copy_words copies (Plan.ring_fields' words, from the
     word at or before each field) and the byte permutes the kernel applies with its selectors (shift_selectors)
     give back each token's key groups, value groups (or words), norm and scale and zero byte for byte, for every
-    position and head of a cache of 3 KV heads in either dim order (fields at byte 0 and 2 of a word)."""
+    position and head of a cache of 3 KV heads in either dim order (fields at byte 0 and 2 of a word). Head dim 128
+    as its template spells the permutes, and every head dim as the plan's expressions do (halfword_key_groups,
+    neighbour_permutes: 64 and 256 are pending "halfword_slots_64_256")."""
     import numpy as np
 
-    plan = Plan.from_config(mma_config(preset, cache_layout="slots", block_size=16))
+    plan = Plan.from_config(mma_config(preset, head_dim, cache_layout="slots", block_size=16),
+                            pending=frozenset(PENDING_KERNELS))
+    assert plan.mma_halfword_slots
+    key_lane_words, value_lane_words = head_dim // 32, head_dim // 64
     layout, slot, page, heads = plan.layout, plan.layout.slot_bytes, 16, 3
     cache = np.random.default_rng(0).integers(0, 256, 2 * page * heads * slot, dtype=np.int64)
     # (block, position, head) strides
@@ -548,7 +622,21 @@ def test_halfword_slot_copies_and_shifts_give_back_every_field(preset, order):
                 head_phase = (head * strides[2]) & 3
                 key_shift = (head_phase + position * strides[1] + layout.key_code_offset) & 3
                 keys = field_bytes(layout.key_code_offset, layout.key_code_bytes)
-                lanes = [copied["key"][4 * u:4 * u + 4] for u in range(4)]
+                for u in range(4):  # key lane u's group words, as the plan's expressions take them
+                    lane = copied["key"][key_lane_words * u:key_lane_words * (u + 1)]
+                    names = dict(zip(plan.numbered("w", key_lane_words), lane), select=key_shift * 0x1111,
+                                 after=copied["key_next"][u] if layout.key_bits == 4 else 0)
+                    expressions = plan.halfword_key_groups(plan.numbered("w", key_lane_words), "after", "select")
+                    assert len(expressions) == key_lane_words
+                    for k, expression in enumerate(expressions):
+                        got = eval(expression, {"_byte_perm": perm}, names)  # noqa: S307 -- the plan's own
+                        group = key_lane_words * u + k
+                        if layout.key_bits == 3:  # [b0, b1, b1, b2]
+                            b0, b1, b2 = keys[3 * group:3 * group + 3]
+                            assert got == b0 | b1 << 8 | b1 << 16 | b2 << 24, (block, head, position, u, k)
+                        else:
+                            assert got == sum(keys[4 * group + b] << (8 * b) for b in range(4)), (position, u, k)
+                lanes = [copied["key"][4 * u:4 * u + 4] for u in range(4)] if head_dim == 128 else []
                 for u, (w0, w1, w2, w3) in enumerate(lanes):
                     if layout.key_bits == 3:  # group 4u + k as [b0, b1, b1, b2]
                         named = dict(first=w0, second=w1, third=w2, fourth=w3)
@@ -569,7 +657,17 @@ def test_halfword_slot_copies_and_shifts_give_back_every_field(preset, order):
                 scale = sum(byte << (8 * b) for b, byte in enumerate(field_bytes(layout.value_scale_offset, 4)))
                 assert perm(*copied["tail_end"], 0x3210 + scale_shift * 0x1111) == scale
                 values = field_bytes(layout.value_code_offset, layout.value_code_bytes)
-                for g in range(8):  # value lane g
+                for g in range(8 if layout.value_bits == 4 else 0):  # value lane g, as the plan's expressions take
+                    selector = 0x3210 + (norm_shift + layout.value_code_offset - layout.key_norm_offset) * 0x1111
+                    lane = copied["tail"][value_lane_words * g:value_lane_words * (g + 1)]
+                    names = dict(zip(plan.numbered("v", value_lane_words), lane), after=copied["value_next"][g],
+                                 select=selector)
+                    expressions = plan.neighbour_permutes(plan.numbered("v", value_lane_words), "after", "select")
+                    for i, expression in enumerate(expressions):
+                        word = value_lane_words * g + i
+                        want = sum(values[4 * word + b] << (8 * b) for b in range(4))
+                        assert eval(expression, {"_byte_perm": perm}, names) == want, (position, g, i)  # noqa: S307
+                for g in range(8 if head_dim == 128 else 0):  # value lane g, as head_dim 128's template spells it
                     if layout.value_bits == 4:  # words 2g, 2g + 1 of the tail row and value_next's word after them
                         selector = 0x3210 + (norm_shift + layout.value_code_offset - layout.key_norm_offset) * 0x1111
                         row = copied["tail"]
@@ -727,6 +825,50 @@ def test_mse_slots_mma_decode_matches_reference(build_module, monkeypatch, prese
     check_decode(module, config, "cuda", MANY_LENS, group_size=group_size, block_kv=block_kv, num_splits=num_splits,
                  num_warps=1, num_stages=num_stages, position_major=not head_major)
     assert len(spy.launches) == 1 and spy.launches[0][2]["STAGES"] == num_stages
+
+
+PENDING_SLOTS_CASES = [  # (preset, head_dim, page, block_kv, group_size, num_splits, num_stages, head_major, norm_corr.)
+    *[(preset, head_dim, 16, block_kv, 4, 3, stages, head_major, True)
+      for preset, head_dim in (("k4v4", 64), ("k3v4", 256), ("k4v4", 256)) for block_kv in (32, 64)
+      for stages in (2, 3) for head_major in (True, False)],
+    *[(preset, head_dim, 16, 32, group_size, num_splits, 2, True, True) for preset, head_dim in (("k4v4", 64),
+                                                                                                 ("k3v4", 256))
+      for group_size in (1, 6, 8, 16) for num_splits in (1, 16)],
+    ("k4v4", 64, 64, 32, 4, 3, 2, True, False), ("k3v4", 256, 128, 64, 4, 3, 2, False, False),
+    ("k3v4", 256, 2, 32, 4, 3, 2, True, True), ("k4v4", 64, 4, 32, 4, 3, 3, False, True),
+]
+
+
+@pytest.mark.parametrize("preset,head_dim,page,block_kv,group_size,num_splits,num_stages,head_major,norm_correction",
+                         PENDING_SLOTS_CASES)
+@gpu_test
+def test_pending_halfword_slots_at_head_dims_64_and_256_match_reference(tmp_path, monkeypatch, preset, head_dim, page,
+                                                                       block_kv, group_size, num_splits, num_stages,
+                                                                       head_major, norm_correction):
+    """Pending "halfword_slots_64_256" (TQGEN_PENDING_KERNELS): MSE keys in slots on the Gluon kernel at head_dim 64
+    and 256 against the float64 reference, head-major and position-major, ragged lengths around tile and page bounds
+    (and 0); and decode_multi's Gluon kernel at 4 query tokens against reference.decode_multi."""
+    import tqgen
+
+    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "halfword_slots_64_256")
+    config = mma_config(preset, head_dim, block_size=page, cache_layout="slots", norm_correction=norm_correction)
+    module = tqgen.load(config, tmp_path)
+    spy = _spy(module, monkeypatch)
+    check_decode(module, config, "cuda", MANY_LENS, group_size=group_size, block_kv=block_kv, num_splits=num_splits,
+                 num_warps=1, num_stages=num_stages, position_major=not head_major)
+    assert len(spy.launches) == 1 and spy.launches[0][2]["STAGES"] == num_stages
+    if (group_size, num_splits) != (4, 3):
+        return
+    multi = KernelRecorder(module.tq_decode_multi_stage1_mma)
+    monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", multi)
+    kwargs = codebook_kwargs(module, config, "cuda")
+    batch, cache = stored_cache(module, config, [4, 18, 300], "cuda", 2, 0, kwargs, not head_major)
+    query = torch.randn(3, 4, 8, head_dim, generator=torch.Generator().manual_seed(5)).cuda()
+    out = module.decode_multi(query, cache, batch.block_table, batch.seq_lens, **kwargs, block_kv=block_kv,
+                              num_warps=1, num_stages=num_stages, num_splits=num_splits)
+    want = reference.decode_multi(Layout.from_config(config), query, cache, batch.block_table, batch.seq_lens,
+                                  kwargs.get("rotation"), kwargs.get("centroids"))
+    assert multi.launches and relative_error(out, want) < DECODE_TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("preset", ["k8v4", "k3v4", "k4v4", "k3v3"])

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 from . import codebook
 from .config import Config
@@ -48,6 +49,32 @@ MMA_HEAD_DIMS = (64, 128, 256)
 # to MAX_NUM_WARPS (1024 threads a program).
 MIN_BLOCK_KV = 32
 MAX_NUM_WARPS = 32
+
+
+# Kernel changes that passed the GPU tests but change the decode hash of committed tuned files wait here until those
+# files are re-tuned on their GPU (an H200: docs/tuning.md, "Kernels waiting for a re-tune"), so that they are kept
+# and tested while no such GPU is lent. Every module renders without them unless TQGEN_PENDING_KERNELS names them
+# ("all", or names joined by commas): the GPU tests and the re-tune that lands them do. Landing one removes its
+# entry and its switch in the templates, in the commit that holds the re-tuned files.
+PENDING_KERNELS = {
+    "vector_partials": "every Gluon stage 1 stores its partials 16 bytes a lane, as decode_multi's does (the eight "
+                       "sm90 head_dim-128 files with a Gluon stage 1)",
+    "halfword_slots_64_256": "the Gluon stage 1 on slots with MSE keys and 4-bit values at head_dim 64 and 256 "
+                             "(k4v4-d64, k3v4-d256)",
+}
+
+
+def pending_kernels_from_environment() -> frozenset[str]:
+    """The PENDING_KERNELS that TQGEN_PENDING_KERNELS names (none where it is unset or empty)."""
+    text = os.environ.get("TQGEN_PENDING_KERNELS", "").strip()
+    if text in ("all", "1"):
+        return frozenset(PENDING_KERNELS)
+    names = frozenset(name.strip() for name in text.split(",") if name.strip())
+    unknown = sorted(names - set(PENDING_KERNELS))
+    if unknown:
+        raise ValueError(f"TQGEN_PENDING_KERNELS names {', '.join(unknown)}: expected 'all' or some of "
+                         f"{', '.join(PENDING_KERNELS)}")
+    return names
 
 
 def decode_runs_launch(block_kv: int, num_warps: int) -> bool:
@@ -107,12 +134,19 @@ class Plan:
     config: Config
     layout: Layout
     stage1_variant: str = "shipped"  # an experiment of tools/stage1_variants.py; wrong results on purpose
+    pending: frozenset[str] = frozenset()  # the PENDING_KERNELS this plan renders
 
     @classmethod
-    def from_config(cls, config: Config, stage1_variant: str = "shipped") -> "Plan":
+    def from_config(cls, config: Config, stage1_variant: str = "shipped",
+                    pending: frozenset[str] | None = None) -> "Plan":
+        """The plan of a resolved config; `pending` (default: TQGEN_PENDING_KERNELS) picks PENDING_KERNELS."""
         if config.arch == "auto":
             raise ValueError("resolve the arch (config.resolve_arch) before planning kernels")
-        plan = cls(config, Layout.from_config(config), stage1_variant)
+        pending = pending_kernels_from_environment() if pending is None else frozenset(pending)
+        if not pending <= set(PENDING_KERNELS):
+            raise ValueError(f"pending kernels {', '.join(sorted(pending - set(PENDING_KERNELS)))}: expected some of "
+                             f"{', '.join(PENDING_KERNELS)}")
+        plan = cls(config, Layout.from_config(config), stage1_variant, pending)
         if stage1_variant not in STAGE1_VARIANTS:
             raise ValueError(f"stage1_variant {stage1_variant!r}: expected one of {', '.join(STAGE1_VARIANTS)}")
         if stage1_variant != "shipped" and (plan.key_fp8 or not plan.mma_stage1 or not plan.planes):
@@ -187,11 +221,21 @@ class Plan:
         parity of its position and the offset of its head. Each token's words are copied from the word at or
         before each field and shifted by a byte permute per word where the field starts mid-word. Only with a
         ring (STAGES >= 2). 3-bit values with 3-bit keys only (k3v3): 4-bit keys with 3-bit values pass the CPU
-        emulation and compile, but have not run on a GPU yet, so they keep the tl.dot kernel."""
+        emulation and compile, but have not run on a GPU yet, so they keep the tl.dot kernel. At head_dim 64 and
+        256 (pending "halfword_slots_64_256"): 4-bit values, and keys whose lanes' bytes are whole words (so not
+        3-bit keys at 64, whose lanes take 6 bytes each)."""
         layout = self.layout
-        return (not layout.planes and not layout.key_fp8 and layout.key_bits in (3, 4)
-                and (layout.value_bits == 4 or (layout.value_bits, layout.key_bits) == (3, 3))
-                and layout.head_dim == 128)
+        if layout.planes or layout.key_fp8 or layout.key_bits not in (3, 4):
+            return False
+        if layout.head_dim == 128:
+            return layout.value_bits == 4 or (layout.value_bits, layout.key_bits) == (3, 3)
+        return ("halfword_slots_64_256" in self.pending and layout.head_dim in (64, 256) and layout.value_bits == 4
+                and self.halfword_key_lane_bytes % 4 == 0)
+
+    @property
+    def halfword_key_lane_bytes(self) -> int:
+        """mma_halfword_slots: the key code bytes each of a token's 4 key lanes decodes (a quarter of its groups)."""
+        return self.layout.key_bits * self.D // 32
 
     @property
     def extra_work_shape(self) -> tuple[int, int]:
@@ -385,33 +429,37 @@ class Plan:
     def _halfword_ring_fields(self) -> list[RingField]:
         """mma_halfword_slots: what the ring copies per token, every copy 4 bytes from the word at or before a field.
 
-        - key: the lane of key-tile column u (4 per token) decodes a quarter of the key's groups, 32 codes: 3-bit
-          codes are 12 bytes from byte 12u of the field, 4-bit ones 16 from 16u. Each lane takes one word more,
-          for the 16-bit shift: 3-bit keys copy words 3u + i, i < 4 (a gather); 4-bit keys the 16 words, and
-          key_next the word after each lane's four (4u + 4).
+        W = D / 8 group words a token, KW = W / 4 a key lane, VW = W / 8 a value lane (at head_dim 128: 16, 4, 2).
+        - key: the lane of key-tile column u (4 per token) decodes a quarter of the key's groups, KW groups of 8
+          codes: 3-bit codes are 3 KW bytes from byte 3 KW u of the field, 4-bit ones 4 KW from 4 KW u. Each lane
+          takes one word more, for the 16-bit shift: 3-bit keys copy KW words from word 3 KW u / 4 (a gather: at
+          head_dim 128 words 3u + i, i < 4, the last for the shift; at 256 one word more than the 7 needed); 4-bit
+          keys the W words, and key_next the word after each lane's KW (KW u + KW).
         - tail: from the word at or before the norm: with 4-bit values the norm and the value codes (words
-          0..15; value lane g reads words 2g and 2g + 1, and value_next the word after them, 2g + 2: a ring
-          slice cannot start at 2); with 3-bit values the norm's word (and the next). tail_end: the two words
-          that hold the value scale and zero, after the norm and the codes.
-        - value (3-bit values): value lane g decodes groups 2g and 2g + 1, 6 bytes from byte 6g of the field,
-          which 2 words hold from the word at or before them (a gather whose words depend on the shift).
+          0..W - 1; value lane g reads words VW g .. VW g + VW - 1, and value_next the word after them, VW g + VW:
+          a ring slice cannot start there); with 3-bit values the norm's word (and the next). tail_end: the two
+          words that hold the value scale and zero, after the norm and the codes.
+        - value (3-bit values, head_dim 128): value lane g decodes groups 2g and 2g + 1, 6 bytes from byte 6g of
+          the field, which 2 words hold from the word at or before them (a gather whose words depend on the shift).
         """
-        layout = self.layout
+        layout, words = self.layout, self.D // 8
         assert layout.value_code_offset == layout.key_norm_offset + KEY_NORM_BYTES
         assert layout.value_scale_offset == layout.value_code_offset + layout.value_code_bytes
-        assert layout.head_dim == 128, "value lanes of 2 groups, key lanes of 4"
-        code_words = layout.key_code_bytes // 4  # 12 or 16
+        assert layout.value_bits == 4 or layout.head_dim == 128, "3-bit value lanes of 2 groups"
+        lane_bytes, lane_words = self.halfword_key_lane_bytes, words // 4
+        assert lane_bytes % 4 == 0, "every key lane's bytes start where the field's shift puts its first"
         field = functools.partial(RingField, dtype="gl.int32", unit_bytes=4, record="TOKEN_STRIDE", alignment=4)
-        fields = [field(name="key", units=16, plane="_KEY_CODE_OFFSET", read_layout="KEY_TILE",
-                        words=(0, 4, 12) if code_words == 12 else (0, 0, 0))]
-        if code_words == 16:
+        fields = [field(name="key", units=words, plane="_KEY_CODE_OFFSET", read_layout="KEY_TILE",
+                        words=(0, lane_words, lane_bytes) if layout.key_bits == 3 else (0, 0, 0))]
+        if layout.key_bits == 4:
             fields.append(field(name="key_next", units=4, plane="_KEY_CODE_OFFSET", read_layout="KEY_NEXT_TILE",
-                                words=(4, 1, 16)))
+                                words=(lane_words, 1, lane_bytes)))
         scale_word = (KEY_NORM_BYTES + layout.value_code_bytes) // 4  # of the scale and zero, from the norm's word
         if layout.value_bits == 4:
-            fields.append(field(name="tail", units=16, plane="_KEY_NORM_OFFSET", read_layout="VALUE_TILE"))
+            value_lane_words = words // 8
+            fields.append(field(name="tail", units=words, plane="_KEY_NORM_OFFSET", read_layout="VALUE_TILE"))
             fields.append(field(name="value_next", units=8, plane="_KEY_NORM_OFFSET", read_layout="VALUE_NEXT_TILE",
-                                words=(2, 1, 8)))
+                                words=(value_lane_words, 1, 4 * value_lane_words)))
         else:
             fields.append(field(name="tail", units=2, plane="_KEY_NORM_OFFSET", read_layout="TOKEN_WORDS"))
             fields.append(field(name="value", units=16, plane="_VALUE_CODE_OFFSET", read_layout="VALUE_TILE",
@@ -542,6 +590,51 @@ class Plan:
         return [("both", "(word & 0xFFF) | ((word >> 4) & 0x0FFF0000)"),
                 ("both", "(both & 0x003F003F) + (both & 0x0FC00FC0) * 4"),
                 ("both", "both + (both & 0x38383838)")]
+
+    @staticmethod
+    def lane_split_steps(prefix: str, source: str, names: list[str]) -> list[tuple[str, str]]:
+        """Statements (targets, expression) that give a lane's n = len(names) units (a power of two) as n tensors,
+        names[i] holding unit i: `source` is [..., lanes, 2, ..., 2] (the unit's bits, its lowest last), and gl.split
+        takes the lowest bit off first (intermediate tensors are named prefix + the bits taken so far)."""
+        if len(names) == 1:
+            return [(names[0], source)]
+        halves = [f"{prefix}0", f"{prefix}1"] if len(names) > 2 else names
+        steps = [(", ".join(halves), f"gl.split({source})")]
+        if len(names) > 2:
+            steps += Plan.lane_split_steps(halves[0], halves[0], names[0::2])
+            steps += Plan.lane_split_steps(halves[1], halves[1], names[1::2])
+        return steps
+
+    @staticmethod
+    def numbered(prefix: str, count: int) -> list[str]:
+        """Names prefix0 .. prefix{count - 1} (a lane's units in lane_split_steps)."""
+        return [f"{prefix}{i}" for i in range(count)]
+
+    @staticmethod
+    def lane_join(units: list[str]) -> str:
+        """The inverse of lane_split_steps: one expression that joins a lane's units (expressions, unit i at i) into
+        [..., lanes, 2, ..., 2], to be reshaped to [..., lanes * n]."""
+        if len(units) == 1:
+            return units[0]
+        return f"gl.join({Plan.lane_join(units[0::2])}, {Plan.lane_join(units[1::2])})"
+
+    @staticmethod
+    def neighbour_permutes(words: list[str], after: str, selector: str) -> list[str]:
+        """mma_halfword_slots: word i of a field that starts `shift` bytes into the copied words `words` (and the
+        word after them, `after`), as a byte permute of copied words i and i + 1 (selector 0x3210 + shift * 0x1111)."""
+        return [f"_byte_perm({low}, {high}, {selector})" for low, high in zip(words, words[1:] + [after])]
+
+    def halfword_key_groups(self, lane: list[str], after: str, selector: str) -> list[str]:
+        """mma_halfword_slots: a key lane's group words (in order) from its copied words `lane` (and, 4-bit keys,
+        `after`, key_next's word after them), `selector` holding shift * 0x1111: 4-bit keys each word from two
+        neighbouring ones; 3-bit keys groups 4j..4j + 3 as [b0, b1, b1, b2] from words 3j..3j + 3
+        (PACKED_GROUP_PERMUTES)."""
+        if self.layout.key_bits == 4:
+            return self.neighbour_permutes(lane, after, f"{selector} + 0x3210")
+        quad = ("first", "second", "third", "fourth")
+        return [f"_byte_perm({lane[3 * j + quad.index(low)]}, {lane[3 * j + quad.index(high)]}, "
+                f"{selector} + 0x{base:04X})"
+                for j in range(len(lane) // 4) for low, high, base in self.PACKED_GROUP_PERMUTES]
 
     @property
     def split_value_codes(self) -> list[tuple[str, int]]:
