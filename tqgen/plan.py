@@ -611,12 +611,14 @@ class Plan:
         return [f"{prefix}{i}" for i in range(count)]
 
     @staticmethod
-    def lane_join(units: list[str]) -> str:
-        """The inverse of lane_split_steps: one expression that joins a lane's units (expressions, unit i at i) into
-        [..., lanes, 2, ..., 2], to be reshaped to [..., lanes * n]."""
-        if len(units) == 1:
-            return units[0]
-        return f"gl.join({Plan.lane_join(units[0::2])}, {Plan.lane_join(units[1::2])})"
+    def lane_join_steps(target: str, units: list[str]) -> list[tuple[str, str]]:
+        """The inverse of lane_split_steps: statements (target, expression) that join a lane's units (names, unit i
+        at i) into `target`, [..., lanes, 2, ..., 2], to be reshaped to [..., lanes * n] (intermediate tensors are
+        named target + the bits joined so far)."""
+        if len(units) <= 2:
+            return [(target, units[0] if len(units) == 1 else f"gl.join({units[0]}, {units[1]})")]
+        return (Plan.lane_join_steps(f"{target}0", units[0::2]) + Plan.lane_join_steps(f"{target}1", units[1::2])
+                + [(target, f"gl.join({target}0, {target}1)")])
 
     @staticmethod
     def neighbour_permutes(words: list[str], after: str, selector: str) -> list[str]:
