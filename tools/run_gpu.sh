@@ -19,7 +19,9 @@
 # decode calls, tools/host_overhead.py, through triton's launch path and as shipped, into host.log; "merge" times
 # stage 1 merging its own splits beside stage 2 at batch 1-8 (tools/ab_modules.py --merge-in-stage1, into
 # merge.log; TQGEN_MERGE_CONFIGS, default k3v4 and k8v4 planes and k3v4 slots).
-# TQGEN_TEST_SHARD=i/n runs the i-th of every n GPU tests (tests/conftest.py).
+# TQGEN_TEST_SHARD=i/n runs the i-th of every n GPU tests (tests/conftest.py). TQGEN_PENDING_KERNELS=all runs every
+# step on the kernels that wait for a re-tune (plan.PENDING_KERNELS): its tests, and its tune re-tunes the files they
+# make stale (docs/tuning.md).
 # TQGEN_SANITIZE_CONFIGS limits the sanitizers to some configs (default every shipped one, 8 sanitizer processes
 # at a time); TQGEN_TEST_ARGS is passed to pytest as shell words (test files, -k "a or b"), TQGEN_BENCH_CONFIGS
 # replaces the bench's eight shipped head_dim-128 configs.
