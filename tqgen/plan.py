@@ -16,7 +16,7 @@ Decisions, each with its reason:
   fill 32-bit loads); and for "slots" with hardware fp8 keys and 4-bit values, whose
   fields and slots are 4-byte aligned (`Layout.slot_fields_word_aligned`): the same
   decode, fed by 4-byte copies of each token's fields; and for "slots" with 3- or 4-bit
-  MSE keys and 4-bit values, or k3v3, at head_dim 128 (`mma_halfword_slots`), whose fields are
+  MSE keys and 4-bit values at head_dim 64, 128 or 256, or k3v3 at 128 (`mma_halfword_slots`), whose fields are
   only 2-byte aligned: the copies start at the 4-byte word at or before each field and
   the reader shifts by 16 bits where the field starts mid-word (one byte permute per
   word); the norm correction is computed per tile (the slot holds the original norm).
@@ -59,8 +59,6 @@ MAX_NUM_WARPS = 32
 PENDING_KERNELS = {
     "vector_partials": "every Gluon stage 1 stores its partials 16 bytes a lane, as decode_multi's does (the eight "
                        "sm90 head_dim-128 files with a Gluon stage 1)",
-    "halfword_slots_64_256": "the Gluon stage 1 on slots with MSE keys and 4-bit values at head_dim 64 and 256 "
-                             "(k4v4-d64, k3v4-d256)",
 }
 
 
@@ -222,15 +220,14 @@ class Plan:
         before each field and shifted by a byte permute per word where the field starts mid-word. Only with a
         ring (STAGES >= 2). 3-bit values with 3-bit keys only (k3v3): 4-bit keys with 3-bit values pass the CPU
         emulation and compile, but have not run on a GPU yet, so they keep the tl.dot kernel. At head_dim 64 and
-        256 (pending "halfword_slots_64_256"): 4-bit values, and keys whose lanes' bytes are whole words (so not
-        3-bit keys at 64, whose lanes take 6 bytes each)."""
+        256: 4-bit values, and keys whose lanes' bytes are whole words (so not 3-bit keys at 64, whose lanes take 6
+        bytes each)."""
         layout = self.layout
         if layout.planes or layout.key_fp8 or layout.key_bits not in (3, 4):
             return False
         if layout.head_dim == 128:
             return layout.value_bits == 4 or (layout.value_bits, layout.key_bits) == (3, 3)
-        return ("halfword_slots_64_256" in self.pending and layout.head_dim in (64, 256) and layout.value_bits == 4
-                and self.halfword_key_lane_bytes % 4 == 0)
+        return layout.head_dim in (64, 256) and layout.value_bits == 4 and self.halfword_key_lane_bytes % 4 == 0
 
     @property
     def halfword_key_lane_bytes(self) -> int:
