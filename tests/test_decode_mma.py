@@ -672,6 +672,27 @@ def test_halfword_slot_copies_and_shifts_give_back_every_field(preset, head_dim,
                             assert got == b0 | b1 << 8 | b2 << 16, (block, head, position, g, i)
 
 
+@pytest.mark.parametrize("lanes,count", [(4, 1), (4, 2), (4, 4), (4, 8), (8, 1), (8, 2), (8, 4)])
+def test_lane_split_and_join_steps_give_each_unit_and_back(lanes, count):
+    """Plan.lane_split_steps / lane_join_steps (the halfword slots kernel's split_lanes and join_lanes), run with
+    numpy standing in for gl.split, gl.join and gl.reshape: names[i] holds unit i of every lane (unit count * l + i
+    of [pages, positions, lanes * count]), and the joined units reshape back to the tensor split."""
+    import numpy as np
+
+    gl = type("gl", (), dict(split=staticmethod(lambda x: (x[..., 0], x[..., 1])),
+                             join=staticmethod(lambda a, b: np.stack([a, b], axis=-1))))
+    tensor = np.arange(3 * 2 * lanes * count).reshape(3, 2, lanes * count)
+    names = Plan.numbered("unit", count)
+    scope = {"gl": gl, "source": tensor.reshape(3, 2, lanes, *[2] * (count.bit_length() - 1))}
+    for targets, expression in Plan.lane_split_steps("part", "source", names):
+        exec(f"{targets} = {expression}", {}, scope)  # noqa: S102 -- the plan's own statements
+    for i, name in enumerate(names):
+        assert np.array_equal(scope[name], tensor[:, :, i::count]), (name, scope[name].shape)
+    for target, expression in Plan.lane_join_steps("joined", names):
+        exec(f"{target} = {expression}", {}, scope)  # noqa: S102
+    assert np.array_equal(scope["joined"].reshape(tensor.shape), tensor)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
 def test_the_query_operand_order_is_a_bit_permutation(preset, head_dim):
