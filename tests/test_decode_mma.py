@@ -60,8 +60,10 @@ def key_units(config):
     (dict(preset="k3v3", cache_layout="slots"), True),  # a packed 3-bit value stream too
     (dict(preset="k4v4", cache_layout="slots", value_bits=3), False),  # not yet run on a GPU (Plan.mma_halfword_slots)
     # ... and at head_dim 64 and 256 with 4-bit values, where a key lane's bytes are whole words (not 3-bit keys at 64)
-    (dict(preset="k4v4", cache_layout="slots", head_dim=64), True), (dict(preset="k3v4", cache_layout="slots", head_dim=256), True),
-    (dict(preset="k4v4", cache_layout="slots", head_dim=256), True), (dict(preset="k3v4", cache_layout="slots", head_dim=64), False),
+    (dict(preset="k4v4", cache_layout="slots", head_dim=64), True),
+    (dict(preset="k3v4", cache_layout="slots", head_dim=256), True),
+    (dict(preset="k4v4", cache_layout="slots", head_dim=256), True),
+    (dict(preset="k3v4", cache_layout="slots", head_dim=64), False),
     (dict(preset="k3v3", cache_layout="slots", head_dim=256), False),
     # slots with fp8 keys and 4-bit values: every field 4-byte aligned in every slot
     (dict(preset="k8v4", arch="sm90", cache_layout="slots"), True),
