@@ -19,6 +19,7 @@ import torch
 from conftest import (HAS_CUDA, PRESETS, KernelRecorder, check_decode, codebook_kwargs, make_config,
                       offline_compile_reports, position_major_cache, stored_cache)
 from tqgen import reference, render, tuner
+from tqgen.errors import TqgenError
 from tqgen.layout import Layout
 from tqgen.plan import EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS, PENDING_KERNELS, Plan
 from tqgen.testing import DECODE_TOLERANCE, as_position_major, relative_error
@@ -89,7 +90,7 @@ def test_pending_kernels_are_named_by_the_environment_and_unknown_names_are_refu
         monkeypatch.setenv("TQGEN_PENDING_KERNELS", setting)
         assert Plan.from_config(config).pending == expected
     monkeypatch.setenv("TQGEN_PENDING_KERNELS", "vector_partials,no_such")
-    with pytest.raises(ValueError, match="TQGEN_PENDING_KERNELS names no_such: expected 'all' or some of"):
+    with pytest.raises(TqgenError, match="TQGEN_PENDING_KERNELS names no_such: expected 'all' or some of"):
         Plan.from_config(config)
     assert Plan.from_config(config, pending=frozenset()).pending == frozenset()  # an explicit choice wins
     # vector_partials: decode's Gluon kernels store 16 bytes a lane too (decode_multi's always does).

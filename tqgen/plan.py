@@ -38,6 +38,7 @@ import os
 
 from . import codebook
 from .config import Config
+from .errors import TqgenError
 from .layout import KEY_NORM_BYTES, SPLIT_HIGH_ORDER, SPLIT_LOW_ORDER, VALUE_SCALE_ZERO_BYTES, CodeField, Layout
 
 # Archs with a hardware e4m3 -> fp16 converter that Triton uses.
@@ -70,7 +71,7 @@ def pending_kernels_from_environment() -> frozenset[str]:
     names = frozenset(name.strip() for name in text.split(",") if name.strip())
     unknown = sorted(names - set(PENDING_KERNELS))
     if unknown:
-        raise ValueError(f"TQGEN_PENDING_KERNELS names {', '.join(unknown)}: expected 'all' or some of "
+        raise TqgenError(f"TQGEN_PENDING_KERNELS names {', '.join(unknown)}: expected 'all' or some of "
                          f"{', '.join(PENDING_KERNELS)}")
     return names
 
