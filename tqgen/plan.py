@@ -594,14 +594,11 @@ class Plan:
         """Statements (targets, expression) that give a lane's n = len(names) units (a power of two) as n tensors,
         names[i] holding unit i: `source` is [..., lanes, 2, ..., 2] (the unit's bits, its lowest last), and gl.split
         takes the lowest bit off first (intermediate tensors are named prefix + the bits taken so far)."""
-        if len(names) == 1:
-            return [(names[0], source)]
-        halves = [f"{prefix}0", f"{prefix}1"] if len(names) > 2 else names
-        steps = [(", ".join(halves), f"gl.split({source})")]
-        if len(names) > 2:
-            steps += Plan.lane_split_steps(halves[0], halves[0], names[0::2])
-            steps += Plan.lane_split_steps(halves[1], halves[1], names[1::2])
-        return steps
+        if len(names) <= 2:
+            return [(names[0], source) if len(names) == 1 else (f"{names[0]}, {names[1]}", f"gl.split({source})")]
+        return ([(f"{prefix}0, {prefix}1", f"gl.split({source})")]
+                + Plan.lane_split_steps(f"{prefix}0", f"{prefix}0", names[0::2])
+                + Plan.lane_split_steps(f"{prefix}1", f"{prefix}1", names[1::2]))
 
     @staticmethod
     def numbered(prefix: str, count: int) -> list[str]:
