@@ -8,8 +8,10 @@ import torch
 
 from conftest import (ODD_FORMATS, PRESETS, KernelRecorder, check_decode, codebook_kwargs, make_config, planes_config,
                       planes_config_of, stored_cache)
+import tqgen
 from tqgen import config as config_mod, layout, render, tuner
 from tqgen.layout import Layout
+from tqgen.plan import Plan
 from tqgen.testing import relative_error
 
 def _decode_inputs(module, config, seq_lens, device, query_seed, cache_seed=0):
@@ -214,13 +216,15 @@ def test_who_prepares_the_query(preset, layout):
     """Both layouts prepare the query in Triton and no torch op runs before stage 1. Stage 1 scales
     it for fp8 keys; for MSE keys in the planes layout it also rotates it (a Walsh-Hadamard
     transform) when the rotation is the config's Hadamard, and tq_prepare_query does the rest."""
-    source = render.render(make_config(preset, cache_layout=layout))
+    config = make_config(preset, cache_layout=layout)
+    source = render.render(config)
     decode = source.split("\ndef decode(")[1].split("\ndef ")[0]
     stage1_arguments = source.split("def tq_decode_stage1(")[1].split("):")[0]
     assert ("def tq_prepare_query(" in source) == (preset == "k3v4")
     assert "query.to(torch.float32)" not in decode  # the torch ops that ran before stage 1
-    assert ("score_scale," in stage1_arguments) == (preset == "k8v4" or layout == "planes")
-    assert ("ROTATE_QUERY" in stage1_arguments) == (preset == "k3v4" and layout == "planes")
+    rotates = preset == "k3v4" and (layout == "planes" or "slots_rotate_query" in Plan.from_config(config).pending)
+    assert ("score_scale," in stage1_arguments) == (preset == "k8v4" or rotates)
+    assert ("ROTATE_QUERY" in stage1_arguments) == rotates
 
 
 @pytest.mark.parametrize("preset,head_dim", [("k8v4", 128), ("k3v4", 128), ("k3v4", 96), ("k4v4", 72), ("k4v4", 256)])
@@ -274,6 +278,21 @@ def test_rotate_query_overrides_the_batch_rule(device, build_module, rotate_quer
     prepare = KernelRecorder(module.tq_prepare_query)
     monkeypatch.setattr(module, "tq_prepare_query", prepare)
     check_decode(module, config, device, seq_lens, rotate_query=rotate_query)
+    assert len(prepare.launches) == (0 if rotate_query else 1)
+
+
+@pytest.mark.parametrize("rotate_query", [True, False])
+def test_slots_stage1_rotates_the_query_with_the_pending_kernel(device, monkeypatch, tmp_path, rotate_query):
+    """With the pending slots_rotate_query, a slots MSE module's stage 1 (the tl.dot kernel in the interpreter,
+    the Gluon one on a GPU) rotates the caller's query itself where rotate_query (no tq_prepare_query), and
+    both ways match the reference of the same cache."""
+    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "slots_rotate_query")
+    config = make_config("k3v4", cache_layout="slots")
+    module = tqgen.load(config, tmp_path)  # its own directory: the session's modules render without it
+    assert "ROTATE_QUERY" in module.tq_decode_stage1.arg_names
+    prepare = KernelRecorder(module.tq_prepare_query)
+    monkeypatch.setattr(module, "tq_prepare_query", prepare)
+    check_decode(module, config, device, [40, 9, 17], strided_query=True, rotate_query=rotate_query)
     assert len(prepare.launches) == (0 if rotate_query else 1)
 
 

@@ -234,7 +234,9 @@ for preset, head_dim, page, block_kv, group_size, norm_correction, stages, *rest
 # The kernels that wait for a re-tune (plan.PENDING_KERNELS), compiled with TQGEN_PENDING_KERNELS=all.
 PENDING_COMPILE_CASES = [("k3v4", 128, 16, 32, 4, True, 2), ("k3v3", 128, 16, 64, 16, True, 1),
                          ("k4v4", 128, 16, 32, 4, True, 2, False, "slots-head-major"),
-                         ("k8v4", 128, 16, 64, 1, True, 1, False, "slots-position-major")]
+                         ("k8v4", 128, 16, 64, 1, True, 1, False, "slots-position-major"),
+                         ("k3v4", 128, 16, 32, 4, True, 2, True, "slots-head-major"),
+                         ("k3v3", 128, 16, 32, 8, True, 2, True, "slots-position-major")]
 
 
 @pytest.fixture(scope="module")
@@ -715,17 +717,21 @@ def test_the_query_operand_order_is_a_bit_permutation(preset, head_dim):
 @gpu_test
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group_size", [1, 4, 8, 16])
-@pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3"])
-def test_the_mma_kernel_rotates_the_query_itself(build_module, monkeypatch, preset, group_size, dtype):
+@pytest.mark.parametrize("preset,layout", [("k3v4", "planes"), ("k4v4", "planes"), ("k3v3", "planes"),
+                                           ("k3v4", "slots"), ("k4v4", "slots"), ("k3v3", "slots")])
+def test_the_mma_kernel_rotates_the_query_itself(build_module, monkeypatch, preset, layout, group_size, dtype):
     """Up to _ROTATE_QUERY_MAX_BATCH sequences under the config's Hadamard rotation, the Gluon kernel rotates
-    the caller's query (any float dtype, strided) and matches the reference; tq_prepare_query never runs."""
-    config = mma_config(preset)
+    the caller's query (any float dtype, strided) and matches the reference; tq_prepare_query never runs.
+    Slots only with the pending slots_rotate_query (their copies need the ring: 2 stages)."""
+    config = mma_config(preset, cache_layout=layout)
+    if not Plan.from_config(config).stage1_rotates_query:
+        pytest.skip("slots rotate the query in stage 1 only with TQGEN_PENDING_KERNELS=slots_rotate_query")
     module = build_module(config)
     spy = _spy(module, monkeypatch)
     prepare = KernelRecorder()
     monkeypatch.setattr(module, "tq_prepare_query", prepare)
     for seq_lens in ([70], [1, 300, 17], [40] * module._ROTATE_QUERY_MAX_BATCH):
-        for block_kv, num_stages in ((32, 1), (64, 2)):
+        for block_kv, num_stages in ((32, 1) if layout == "planes" else (32, 2), (64, 2)):
             check_decode(module, config, "cuda", seq_lens, group_size=group_size, dtype=dtype, strided_query=True,
                          block_kv=block_kv, num_warps=1, num_stages=num_stages, num_splits=3)
     assert spy.launches and all(launch["ROTATE_QUERY"] for _, _, launch in spy.launches)

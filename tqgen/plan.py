@@ -21,8 +21,8 @@ Decisions, each with its reason:
   the reader shifts by 16 bits where the field starts mid-word (one byte permute per
   word); the norm correction is computed per tile (the slot holds the original norm).
 - `stage1_rotates_query`: "planes" MSE keys under the Hadamard rotation at head_dim 128
-  (the only one timed): the tl.dot stage 1 can rotate the query itself at small batches,
-  one launch fewer than tq_prepare_query.
+  (the only one timed; "slots" too with the pending `slots_rotate_query`): stage 1 can rotate
+  the query itself at small batches, one launch fewer than tq_prepare_query.
 - `symmetric_key_lookup`: the Gluon stage 1 on 4-bit MSE keys carries a second codebook lookup
   for codebooks with c[15 - i] == -c[i] (the default Lloyd-Max levels, recognized by address): a
   table of the 8 magnitudes takes one byte permute per four codes where 16 entries take three.
@@ -58,8 +58,11 @@ MAX_NUM_WARPS = 32
 # ("all", or names joined by commas): the GPU tests and the re-tune that lands them do. Landing one removes its
 # entry and its switch in the templates, in the commit that holds the re-tuned files.
 PENDING_KERNELS = {
-    "vector_partials": "every Gluon stage 1 stores its partials 16 bytes a lane, as decode_multi's does (the eight "
-                       "sm90 head_dim-128 files with a Gluon stage 1)",
+    "vector_partials": "every Gluon stage 1 stores its partials 16 bytes a lane, as decode_multi's does (the ten "
+                       "sm90 files with a Gluon stage 1: head_dim 128, and slots MSE at 64 and 256)",
+    "slots_rotate_query": "slots MSE keys under the Hadamard rotation at head_dim 128: stage 1 rotates the query "
+                          "itself up to _ROTATE_QUERY_MAX_BATCH sequences where the tuned bucket chose so, as planes "
+                          "does (the three sm90 slots MSE head_dim-128 files)",
 }
 
 
@@ -276,7 +279,7 @@ class Plan:
 
     @property
     def stage1_rotates_query(self) -> bool:
-        return self.hadamard_keys and self.planes and self.D == 128
+        return self.hadamard_keys and self.D == 128 and (self.planes or "slots_rotate_query" in self.pending)
 
     # --- the Gluon stage 1's query operand -------------------------------------------------
     def _mma_query_terms(self) -> list[tuple[int, int, int | None]]:
