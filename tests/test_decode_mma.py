@@ -18,10 +18,10 @@ import torch
 
 from conftest import (HAS_CUDA, PRESETS, KernelRecorder, check_decode, codebook_kwargs, make_config,
                       offline_compile_reports, position_major_cache, stored_cache)
-from tqgen import reference, render, tuner
+from tqgen import config as config_mod, reference, render, tuner
 from tqgen.errors import TqgenError
 from tqgen.layout import Layout
-from tqgen.plan import EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS, PENDING_KERNELS, Plan
+from tqgen.plan import EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS, PENDING_KERNELS, VECTOR_PARTIALS_RETUNED, Plan
 from tqgen.testing import DECODE_TOLERANCE, as_position_major, relative_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,6 +100,19 @@ def test_pending_kernels_are_named_by_the_environment_and_unknown_names_are_refu
     assert shipped == 1 and render.render(config).count("VECTOR_PARTIALS: gl.constexpr") == 3
     with pytest.raises(ValueError, match="pending kernels no_such: expected some of"):
         Plan.from_config(config, pending=frozenset({"no_such"}))
+
+
+def test_vector_partials_lands_format_by_format():
+    """Plan.stage1_format spells each shipped config's format as its file does, so VECTOR_PARTIALS_RETUNED names
+    shipped formats only; those store 16-byte partials without the variable, the others only with it."""
+    shipped = {path.stem: Plan.from_config(config_mod.resolve_arch(config_mod.load(path), (9, 0)), pending=frozenset())
+               for path in sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))}
+    assert all(plan.stage1_format == name for name, plan in shipped.items())
+    assert VECTOR_PARTIALS_RETUNED <= {name for name, plan in shipped.items() if plan.mma_stage1}
+    for name, plan in shipped.items():
+        assert plan.stage1_vector_partials == (name in VECTOR_PARTIALS_RETUNED)
+        with_pending = Plan.from_config(plan.config, pending=frozenset({"vector_partials"}))
+        assert with_pending.stage1_vector_partials
 
 
 # --- the tile layouts -----------------------------------------------------------
@@ -285,8 +298,9 @@ def _check_compiled_case(case, report, pending):
     if rotate:  # the rotated query goes to the MMA's operand layout through shared memory
         assert report["shared_ops"] > 0 and report["shared_bytes"] > 0
     if stages == 1:
-        # ... except the partials' reorder into head-dim order after the loop (pending vector_partials).
-        if "vector_partials" in pending:
+        # ... except the partials' reorder into head-dim order after the loop (plan.stage1_vector_partials).
+        if Plan.from_config(mma_config(preset, head_dim, block_size=page, cache_layout=layout.split("-")[0]),
+                            pending=pending).stage1_vector_partials:
             assert report["shared_ops"] > 0 and report["shared_bytes"] > 0
         else:
             assert rotate or (report["shared_ops"] == 0 and report["shared_bytes"] == 0)

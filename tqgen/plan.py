@@ -66,6 +66,12 @@ PENDING_KERNELS = {
 }
 
 
+# vector_partials lands format by format, each in the commit that holds its re-tuned H200 file (the ten files' re-tune
+# is more than one session's device time): the Gluon stage 1 of these formats (Plan.stage1_format) stores its
+# partials 16 bytes a lane without TQGEN_PENDING_KERNELS. Landing the last one removes the pending entry and this set.
+VECTOR_PARTIALS_RETUNED: frozenset[str] = frozenset()
+
+
 def pending_kernels_from_environment() -> frozenset[str]:
     """The PENDING_KERNELS that TQGEN_PENDING_KERNELS names (none where it is unset or empty)."""
     text = os.environ.get("TQGEN_PENDING_KERNELS", "").strip()
@@ -276,6 +282,19 @@ class Plan:
                      for code in range(subset, -1, -1) if code & subset == code]
             terms.append(([bit for bit in range(bits) if subset >> bit & 1], "(" + " ".join(parts)[2:] + ")"))
         return terms
+
+    @property
+    def stage1_format(self) -> str:
+        """The decode format as the shipped config files name it: "k3v4-d128" (slots), "k8v4-d128-planes"."""
+        layout = self.layout
+        keys = "k8" if layout.key_fp8 else f"k{layout.key_bits}"
+        return f"{keys}v{layout.value_bits}-d{layout.head_dim}" + ("-planes" if layout.planes else "")
+
+    @property
+    def stage1_vector_partials(self) -> bool:
+        """Whether the Gluon stage 1 stores its partials 16 bytes a lane (decode_multi's always does): the pending
+        vector_partials, landed so far for VECTOR_PARTIALS_RETUNED."""
+        return "vector_partials" in self.pending or self.stage1_format in VECTOR_PARTIALS_RETUNED
 
     @property
     def stage1_rotates_query(self) -> bool:
