@@ -21,7 +21,8 @@ from conftest import (HAS_CUDA, PRESETS, KernelRecorder, check_decode, codebook_
 from tqgen import config as config_mod, reference, render, tuner
 from tqgen.errors import TqgenError
 from tqgen.layout import Layout
-from tqgen.plan import EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS, PENDING_KERNELS, VECTOR_PARTIALS_RETUNED, Plan
+from tqgen.plan import (EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS, PENDING_KERNELS, VECTOR_PARTIALS_RETUNED,
+                        VECTOR_PARTIALS_SLOWER, Plan)
 from tqgen.testing import DECODE_TOLERANCE, as_position_major, relative_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,11 +109,13 @@ def test_vector_partials_lands_format_by_format():
     shipped = {path.stem: Plan.from_config(config_mod.resolve_arch(config_mod.load(path), (9, 0)), pending=frozenset())
                for path in sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))}
     assert all(plan.stage1_format == name for name, plan in shipped.items())
-    assert VECTOR_PARTIALS_RETUNED <= {name for name, plan in shipped.items() if plan.mma_stage1}
+    gluon_formats = {name for name, plan in shipped.items() if plan.mma_stage1}
+    assert VECTOR_PARTIALS_RETUNED | VECTOR_PARTIALS_SLOWER <= gluon_formats
+    assert not VECTOR_PARTIALS_RETUNED & VECTOR_PARTIALS_SLOWER
     for name, plan in shipped.items():
         assert plan.stage1_vector_partials == (name in VECTOR_PARTIALS_RETUNED)
         with_pending = Plan.from_config(plan.config, pending=frozenset({"vector_partials"}))
-        assert with_pending.stage1_vector_partials
+        assert with_pending.stage1_vector_partials == (name not in VECTOR_PARTIALS_SLOWER)
 
 
 # --- the tile layouts -----------------------------------------------------------

@@ -58,8 +58,8 @@ MAX_NUM_WARPS = 32
 # ("all", or names joined by commas): the GPU tests and the re-tune that lands them do. Landing one removes its
 # entry and its switch in the templates, in the commit that holds the re-tuned files.
 PENDING_KERNELS = {
-    "vector_partials": "every Gluon stage 1 stores its partials 16 bytes a lane, as decode_multi's does (the ten "
-                       "sm90 files with a Gluon stage 1: head_dim 128, and slots MSE at 64 and 256)",
+    "vector_partials": "every Gluon stage 1 stores its partials 16 bytes a lane, as decode_multi's does (nine "
+                       "sm90 files with a Gluon stage 1: head_dim 128 but k8v4 slots, and slots MSE at 64 and 256)",
     "slots_rotate_query": "slots MSE keys under the Hadamard rotation at head_dim 128: stage 1 rotates the query "
                           "itself up to _ROTATE_QUERY_MAX_BATCH sequences where the tuned bucket chose so, as planes "
                           "does (the three sm90 slots MSE head_dim-128 files)",
@@ -70,6 +70,9 @@ PENDING_KERNELS = {
 # is more than one session's device time): the Gluon stage 1 of these formats (Plan.stage1_format) stores its
 # partials 16 bytes a lane without TQGEN_PENDING_KERNELS. Landing the last one removes the pending entry and this set.
 VECTOR_PARTIALS_RETUNED: frozenset[str] = frozenset()
+# ... except where it was slower: k8v4 slots at its best large-batch launches, 32-token tiles in the ring of 2,
+# 1.04-1.14x the time at 32 x 16384 and 8 x 8192 (H100, 2026-12-06, docs/limits.md "Small batches").
+VECTOR_PARTIALS_SLOWER: frozenset[str] = frozenset({"k8v4-d128"})
 
 
 def pending_kernels_from_environment() -> frozenset[str]:
@@ -293,7 +296,9 @@ class Plan:
     @property
     def stage1_vector_partials(self) -> bool:
         """Whether the Gluon stage 1 stores its partials 16 bytes a lane (decode_multi's always does): the pending
-        vector_partials, landed so far for VECTOR_PARTIALS_RETUNED."""
+        vector_partials (not for VECTOR_PARTIALS_SLOWER), landed so far for VECTOR_PARTIALS_RETUNED."""
+        if self.stage1_format in VECTOR_PARTIALS_SLOWER:
+            return False
         return "vector_partials" in self.pending or self.stage1_format in VECTOR_PARTIALS_RETUNED
 
     @property
