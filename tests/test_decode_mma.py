@@ -21,8 +21,8 @@ from conftest import (HAS_CUDA, PRESETS, KernelRecorder, check_decode, codebook_
 from tqgen import config as config_mod, reference, render, tuner
 from tqgen.errors import TqgenError
 from tqgen.layout import Layout
-from tqgen.plan import (EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS, PENDING_KERNELS, VECTOR_PARTIALS_RETUNED,
-                        VECTOR_PARTIALS_SLOWER, Plan)
+from tqgen.plan import (EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS, PENDING_KERNELS, PENDING_KERNELS_LANDED,
+                        PENDING_KERNELS_SLOWER, Plan)
 from tqgen.testing import DECODE_TOLERANCE, as_position_major, relative_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,19 +103,27 @@ def test_pending_kernels_are_named_by_the_environment_and_unknown_names_are_refu
         Plan.from_config(config, pending=frozenset({"no_such"}))
 
 
-def test_vector_partials_lands_format_by_format():
-    """Plan.stage1_format spells each shipped config's format as its file does, so VECTOR_PARTIALS_RETUNED names
-    shipped formats only; those store 16-byte partials without the variable, the others only with it."""
+def test_pending_kernels_land_format_by_format():
+    """Plan.stage1_format spells each shipped config's format as its file does, so PENDING_KERNELS_LANDED and
+    PENDING_KERNELS_SLOWER name shipped formats only; a landed format renders its kernel without the variable, a
+    slower one never, the others only with it (where the kernel applies: vector_partials to every Gluon stage 1,
+    slots_rotate_query to the slots MSE formats under the Hadamard rotation at head_dim 128)."""
     shipped = {path.stem: Plan.from_config(config_mod.resolve_arch(config_mod.load(path), (9, 0)), pending=frozenset())
                for path in sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))}
     assert all(plan.stage1_format == name for name, plan in shipped.items())
-    gluon_formats = {name for name, plan in shipped.items() if plan.mma_stage1}
-    assert VECTOR_PARTIALS_RETUNED | VECTOR_PARTIALS_SLOWER <= gluon_formats
-    assert not VECTOR_PARTIALS_RETUNED & VECTOR_PARTIALS_SLOWER
+    assert set(PENDING_KERNELS_LANDED) | set(PENDING_KERNELS_SLOWER) <= set(PENDING_KERNELS)
+    for kernel in PENDING_KERNELS:
+        landed = PENDING_KERNELS_LANDED.get(kernel, frozenset())
+        slower = PENDING_KERNELS_SLOWER.get(kernel, frozenset())
+        assert landed | slower <= {name for name, plan in shipped.items() if plan.mma_stage1} and not landed & slower
+        for name, plan in shipped.items():
+            with_pending = Plan.from_config(plan.config, pending=frozenset({kernel}))
+            assert plan.renders(kernel) == (name in landed)
+            assert with_pending.renders(kernel) == (name not in slower)
     for name, plan in shipped.items():
-        assert plan.stage1_vector_partials == (name in VECTOR_PARTIALS_RETUNED)
-        with_pending = Plan.from_config(plan.config, pending=frozenset({"vector_partials"}))
-        assert with_pending.stage1_vector_partials == (name not in VECTOR_PARTIALS_SLOWER)
+        rotating = Plan.from_config(plan.config, pending=frozenset({"slots_rotate_query"})).stage1_rotates_query
+        assert rotating == (plan.hadamard_keys and plan.D == 128)
+        assert plan.stage1_vector_partials == plan.renders("vector_partials")
 
 
 # --- the tile layouts -----------------------------------------------------------

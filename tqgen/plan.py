@@ -55,8 +55,7 @@ MAX_NUM_WARPS = 32
 # Kernel changes that passed the GPU tests but change the decode hash of committed tuned files wait here until those
 # files are re-tuned on their GPU (an H200: docs/tuning.md, "Kernels waiting for a re-tune"), so that they are kept
 # and tested while no such GPU is lent. Every module renders without them unless TQGEN_PENDING_KERNELS names them
-# ("all", or names joined by commas): the GPU tests and the re-tune that lands them do. Landing one removes its
-# entry and its switch in the templates, in the commit that holds the re-tuned files.
+# ("all", or names joined by commas): the GPU tests and the re-tune that lands them do.
 PENDING_KERNELS = {
     "vector_partials": "every Gluon stage 1 stores its partials 16 bytes a lane, as decode_multi's does (nine "
                        "sm90 files with a Gluon stage 1: head_dim 128 but k8v4 slots, and slots MSE at 64 and 256)",
@@ -64,15 +63,16 @@ PENDING_KERNELS = {
                           "itself up to _ROTATE_QUERY_MAX_BATCH sequences where the tuned bucket chose so, as planes "
                           "does (the three sm90 slots MSE head_dim-128 files)",
 }
-
-
-# vector_partials lands format by format, each in the commit that holds its re-tuned H200 file (the ten files' re-tune
-# is more than one session's device time): the Gluon stage 1 of these formats (Plan.stage1_format) stores its
-# partials 16 bytes a lane without TQGEN_PENDING_KERNELS. Landing the last one removes the pending entry and this set.
-VECTOR_PARTIALS_RETUNED: frozenset[str] = frozenset()
-# ... except where it was slower: k8v4 slots at its best large-batch launches, 32-token tiles in the ring of 2,
-# 1.04-1.14x the time at 32 x 16384 and 8 x 8192 (H100, 2026-12-06, docs/limits.md "Small batches").
-VECTOR_PARTIALS_SLOWER: frozenset[str] = frozenset({"k8v4-d128"})
+# A pending kernel lands format by format, each in the commit that holds its re-tuned file (a re-tune of every file
+# a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
+# files spell them) render it without TQGEN_PENDING_KERNELS. Landing its last format removes its entries here and
+# above and its switch in the templates.
+PENDING_KERNELS_LANDED: dict[str, frozenset[str]] = {"vector_partials": frozenset(),
+                                                     "slots_rotate_query": frozenset()}
+# Formats a pending kernel leaves as they are, because it made them slower: vector_partials for k8v4 slots, whose
+# best large-batch launches (32-token tiles in the ring of 2) took 1.04-1.14x the time at 32 x 16384 and 8 x 8192
+# (H100, 2026-12-06, docs/limits.md "Small batches").
+PENDING_KERNELS_SLOWER: dict[str, frozenset[str]] = {"vector_partials": frozenset({"k8v4-d128"})}
 
 
 def pending_kernels_from_environment() -> frozenset[str]:
@@ -293,17 +293,21 @@ class Plan:
         keys = "k8" if layout.key_fp8 else f"k{layout.key_bits}"
         return f"{keys}v{layout.value_bits}-d{layout.head_dim}" + ("-planes" if layout.planes else "")
 
+    def renders(self, kernel: str) -> bool:
+        """Whether this plan renders the pending kernel `kernel`: named by `pending`, or landed for this format
+        (PENDING_KERNELS_LANDED), and never where it was slower (PENDING_KERNELS_SLOWER)."""
+        if self.stage1_format in PENDING_KERNELS_SLOWER.get(kernel, ()):
+            return False
+        return kernel in self.pending or self.stage1_format in PENDING_KERNELS_LANDED.get(kernel, ())
+
     @property
     def stage1_vector_partials(self) -> bool:
-        """Whether the Gluon stage 1 stores its partials 16 bytes a lane (decode_multi's always does): the pending
-        vector_partials (not for VECTOR_PARTIALS_SLOWER), landed so far for VECTOR_PARTIALS_RETUNED."""
-        if self.stage1_format in VECTOR_PARTIALS_SLOWER:
-            return False
-        return "vector_partials" in self.pending or self.stage1_format in VECTOR_PARTIALS_RETUNED
+        """Whether the Gluon stage 1 stores its partials 16 bytes a lane (decode_multi's always does)."""
+        return self.renders("vector_partials")
 
     @property
     def stage1_rotates_query(self) -> bool:
-        return self.hadamard_keys and self.D == 128 and (self.planes or "slots_rotate_query" in self.pending)
+        return self.hadamard_keys and self.D == 128 and (self.planes or self.renders("slots_rotate_query"))
 
     # --- the Gluon stage 1's query operand -------------------------------------------------
     def _mma_query_terms(self) -> list[tuple[int, int, int | None]]:
