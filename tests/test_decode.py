@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import (ODD_FORMATS, PRESETS, KernelRecorder, check_decode, codebook_kwargs, make_config, planes_config,
-                      planes_config_of, stored_cache)
+                      planes_config_of, skip_a_launch_the_interpreter_already_ran, stored_cache)
 import tqgen
 from tqgen import config as config_mod, layout, render, tuner
 from tqgen.layout import Layout
@@ -86,10 +86,14 @@ def test_splits_and_page_sizes_on_ragged_batches(device, build_module, block_siz
 TUNER_SPACE = tuner.SearchSpace()  # every launch `tqgen tune` can pick by default (splits vary elsewhere)
 
 
+TUNER_LAUNCHES = sorted({(c["block_kv"], c["num_warps"], c["num_stages"]) for c in TUNER_SPACE.candidates()}
+                        | {(128, 8, 2)})
+
+
 @pytest.mark.parametrize("preset", ["k3v3", "k8v4"])
-@pytest.mark.parametrize("block_kv,num_warps,num_stages", sorted(
-    {(c["block_kv"], c["num_warps"], c["num_stages"]) for c in TUNER_SPACE.candidates()} | {(128, 8, 2)}))
+@pytest.mark.parametrize("block_kv,num_warps,num_stages", TUNER_LAUNCHES)
 def test_launch_parameters_the_tuner_can_pick(device, build_module, preset, block_kv, num_warps, num_stages):
+    skip_a_launch_the_interpreter_already_ran(device, (block_kv, num_warps, num_stages), TUNER_LAUNCHES)
     config = make_config(preset)
     check_decode(build_module(config), config, device, [5, 200], block_kv=block_kv, num_warps=num_warps,
                   num_stages=num_stages, num_splits=3)
@@ -348,6 +352,7 @@ LAUNCH_GRID = sorted({(c["block_kv"], c["num_warps"], c["num_stages"]) for c in 
 @pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
 @pytest.mark.parametrize("block_kv,num_warps,num_stages", LAUNCH_GRID)
 def test_launch_parameters(device, build_module, preset, block_kv, num_warps, num_stages):
+    skip_a_launch_the_interpreter_already_ran(device, (block_kv, num_warps, num_stages), LAUNCH_GRID)
     config = planes_config(preset)
     check_decode(build_module(config), config, device, [5, 200], block_kv=block_kv, num_warps=num_warps,
                   num_stages=num_stages, num_splits=3)
@@ -358,6 +363,7 @@ def test_launch_parameters_with_the_query_from_tq_prepare_query(device, build_mo
     """The same launches over stage 1's other specialization (ROTATE_QUERY off, the query from
     tq_prepare_query), which batches above _ROTATE_QUERY_MAX_BATCH take: forced here by a copy of
     the default rotation."""
+    skip_a_launch_the_interpreter_already_ran(device, (block_kv, num_warps, num_stages), LAUNCH_GRID)
     config = planes_config("k3v4")
     module = build_module(config)
     codebook = codebook_kwargs(module, config, device)
