@@ -226,7 +226,7 @@ def test_who_prepares_the_query(preset, layout):
     stage1_arguments = source.split("def tq_decode_stage1(")[1].split("):")[0]
     assert ("def tq_prepare_query(" in source) == (preset == "k3v4")
     assert "query.to(torch.float32)" not in decode  # the torch ops that ran before stage 1
-    rotates = preset == "k3v4" and (layout == "planes" or "slots_rotate_query" in Plan.from_config(config).pending)
+    rotates = preset == "k3v4" and (layout == "planes" or Plan.from_config(config).renders("slots_rotate_query"))
     assert ("score_scale," in stage1_arguments) == (preset == "k8v4" or rotates)
     assert ("ROTATE_QUERY" in stage1_arguments) == rotates
 

@@ -306,19 +306,18 @@ def _check_compiled_case(case, report, pending):
     # A 16-bit query rotated in the kernel (these compile an fp16 one): one MMA per 16 head dims and 8 columns.
     rotation_mmas = (head_dim // 16) * columns if rotate else 0
     assert report["mma"] == key_mmas * (2 if halfword_slots and norm_correction else 1) + value_mmas + rotation_mmas
+    plan = Plan.from_config(mma_config(preset, head_dim, block_size=page, cache_layout=layout.split("-")[0]),
+                            pending=pending)
     if rotate:  # the rotated query goes to the MMA's operand layout through shared memory
         assert report["shared_ops"] > 0 and report["shared_bytes"] > 0
     if stages == 1:
         # ... except the partials' reorder into head-dim order after the loop (plan.stage1_vector_partials).
-        if Plan.from_config(mma_config(preset, head_dim, block_size=page, cache_layout=layout.split("-")[0]),
-                            pending=pending).stage1_vector_partials:
+        if plan.stage1_vector_partials:
             assert report["shared_ops"] > 0 and report["shared_bytes"] > 0
         else:
             assert rotate or (report["shared_ops"] == 0 and report["shared_bytes"] == 0)
         assert report["copy_bytes"] == []
     else:
-        plan = Plan.from_config(mma_config(preset, head_dim, block_size=page, cache_layout=layout.split("-")[0]),
-                                pending=pending)
         token_bytes = sum((field.units or 1) * field.unit_bytes for field in plan.ring_fields)
         # Every used byte once; slots with MSE keys copy more: each field from the word at or before it, the
         # words after the lanes' runs, and (3-bit keys) 16 key words of which 13 distinct.
