@@ -20,6 +20,48 @@ if not torch.cuda.is_available():
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available() and not INTERPRET
 
+
+def _skip_the_interpreters_repeated_language_patches():
+    """Triton's interpreter patches triton.language's builtins (about 500 attributes, found by inspect.getmembers)
+    at every kernel launch, and again at every call of a @triton.jit helper inside it: the same patches onto the same
+    modules, which the launch's own patch already made and undoes only at its end. The CPU suite spent about a third
+    of its interpreter time there. Here a helper's call inside a launch patches only the language modules that the
+    launch has not patched yet; a launch patches and restores as before. With another triton, whose interpreter
+    lacks what this wraps, nothing changes."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if not all(hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
+        return
+    patch_lang, run_launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    patched = []  # per launch in progress (innermost last): the language modules patched so far, None before any
+
+    def launch(self, *args, **kwargs):
+        patched.append(None)
+        try:
+            return run_launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def patch_once(fn):
+        seen = {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
+        if patched and patched[-1] is not None:
+            if seen <= patched[-1]:
+                return interpreter._LangPatchScope()  # a helper's call: patched already, nothing to undo
+            seen |= patched[-1]  # (triton.language's own helpers see triton.language.core, which kernels rarely do)
+        if patched:
+            patched[-1] = seen
+        return patch_lang(fn)
+
+    interpreter.GridExecutor.__call__ = launch
+    interpreter._patch_lang = patch_once
+
+
+if INTERPRET:
+    _skip_the_interpreters_repeated_language_patches()
+
 import tqgen  # noqa: E402  (after TRITON_INTERPRET is settled)
 from tqgen import config as config_mod  # noqa: E402
 from tqgen import testing  # noqa: E402

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import hashlib
 import inspect
 import json
@@ -60,8 +61,15 @@ def template_hash() -> str:
 
 
 def _environment() -> jinja2.Environment:
+    return _environment_of(str(template_dir()))
+
+
+@functools.cache
+def _environment_of(folder: str) -> jinja2.Environment:
+    """One environment a template folder and process: it compiles each template once (a module's render loads about
+    25 of them, and compiling them took most of a build) and again only when its file changes (auto_reload)."""
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(template_dir())),
+        loader=jinja2.FileSystemLoader(folder),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
