@@ -472,6 +472,17 @@ def test_store_accepts_int32_slots_and_strided_inputs(make_ctx, device, preset):
     assert not big[1::2].any(), "store wrote outside the view it was given"
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_store_refuses_a_cache_of_2_to_the_31_slots_per_head(make_ctx, device, preset):
+    """The kernel takes a slot's block and position in 32-bit arithmetic: a cache with more slots per head is
+    refused by its shape alone (a view of one block with stride 0 stands in for a cache no machine holds)."""
+    ctx = make_ctx(preset)
+    shape = (2**31 // ctx.config.block_size, *ctx.cache.shape[1:])
+    huge = ctx.cache[:1].expand(shape)
+    with pytest.raises(ctx.module.LaunchError, match=r"kv_cache has 2147483648 slots per head, more than the 2\*\*31 - 1"):
+        ctx.module.store(ctx.key, ctx.value, huge, ctx.slot_mapping, **ctx.codebook)
+
+
 @pytest.mark.parametrize("layout", ["slots", "planes"])
 def test_store_refuses_unsorted_centroids_and_takes_a_sorted_copy(device, build_module, layout):
     """Keys are coded by the midpoints between neighbouring centroids, so unsorted centroids would write

@@ -82,7 +82,9 @@ def main() -> None:
                 raise SystemExit(f"variant {name!r} does not apply to {config.name}")
             tag = f"{config.name}_{name}".replace("-", "_")
             runs.append((name, import_source(source.replace(old, new), tag, folder), first))
-        runs += [(os.path.basename(m), emit.import_module_file(m), {}) for m in args.module
+        # Named by folder too: modules of one config rendered at two commits (old/NAME.py, new/NAME.py) side by side.
+        runs += [(os.path.join(os.path.basename(os.path.dirname(os.path.abspath(m))), os.path.basename(m)),
+                  emit.import_module_file(m), {}) for m in args.module
                  if os.path.basename(m).removesuffix(".py") == config.name]
         codebook = codebook_kwargs(module, device)
         for tokens in args.tokens:
