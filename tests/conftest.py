@@ -29,6 +29,7 @@ def _skip_the_interpreters_repeated_language_patches():
     launch has not patched yet; a launch patches and restores as before. With another triton, whose interpreter
     lacks what this wraps, nothing changes."""
     import inspect
+    import weakref
 
     import triton.language as tl
     from triton.runtime import interpreter
@@ -45,8 +46,13 @@ def _skip_the_interpreters_repeated_language_patches():
         finally:
             patched.pop()
 
+    languages = weakref.WeakKeyDictionary()  # a function -> the language modules among its globals
+
     def patch_once(fn):
-        seen = {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
+        seen = languages.get(fn)
+        if seen is None:
+            seen = languages[fn] = frozenset(id(value) for value in fn.__globals__.values()
+                                             if inspect.ismodule(value) and value in (tl, tl.core))
         if patched and patched[-1] is not None:
             if seen <= patched[-1]:
                 return interpreter._LangPatchScope()  # a helper's call: patched already, nothing to undo
