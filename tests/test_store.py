@@ -196,6 +196,53 @@ def test_boundaries_replace_the_midpoints_of_the_centroids(device, build_module)
         module.store(batch.key, batch.value, default, batch.slot_mapping, boundaries=centroids)
 
 
+@pytest.mark.parametrize("head_dim,layout", [(128, "slots"), (64, "slots"), (128, "planes")])
+def test_the_default_codebook_takes_the_symmetric_search_and_stores_the_same_bytes(device, build_module,
+                                                                                    monkeypatch, head_dim, layout):
+    """4-bit keys coded with the default centroids search half the boundaries (Plan.code_search_symmetric), a copy
+    of them takes the general search: the same bytes, the reference's. (Planes without norm correction: a
+    corrected norm needs the general search's code bits.)"""
+    config = make_config("k4v4", head_dim=head_dim, cache_layout=layout, norm_correction=layout == "slots")
+    module = build_module(config)
+    assert Plan.from_config(config).symmetric_store_search
+    batch = paged_batch(config, [3, 40, 17], num_kv_heads=2, device=device, generator=torch.Generator().manual_seed(5))
+    store = KernelRecorder(module.tq_store)
+    monkeypatch.setattr(module, "tq_store", store)
+    caches = []
+    for centroids in (module.default_centroids(device), module.default_centroids(device).clone()):
+        caches.append(module.make_cache(batch.num_blocks, 2, device).fill_(SENTINEL))
+        module.store(batch.key, batch.value, caches[-1], batch.slot_mapping, centroids=centroids)
+    assert [kwargs["SYMMETRIC_CODEBOOK"] for _, _, kwargs in store.launches] == [True, False]
+    assert torch.equal(caches[0], caches[1])
+    expected = module.make_cache(batch.num_blocks, 2, device).fill_(SENTINEL)
+    reference.store(Layout.from_config(config), batch.key, batch.value, expected, batch.slot_mapping,
+                    module.default_rotation(device), module.default_centroids(device))
+    assert store_differences(config, caches[0], expected, batch.key, batch.slot_mapping,
+                             module.default_rotation(device), module.default_centroids(device)) == 0
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_the_symmetric_search_codes_as_the_general_one_off_the_boundaries(bits):
+    """Plan.code_search_symmetric's statements, run on values strictly between and beyond symmetric boundaries
+    (and 0, and values at the positive ones), give code_search's codes."""
+    boundaries = torch.linspace(-1.0, 1.0, 2**bits - 1)  # fp32, as the kernel's (tl.where's scalars are fp32)
+    boundaries = (boundaries - boundaries.flip(0)) / 2  # exactly antisymmetric, the middle one 0
+    between = (boundaries[1:] + boundaries[:-1]) / 2
+    values = torch.cat([between, boundaries[-1:] + 1, boundaries[:1] - 1, torch.zeros(1),
+                        boundaries[boundaries > 0]])
+    names = {f"boundary{j}": float(b) for j, b in enumerate(boundaries)}
+
+    def run(lines):  # the statements on torch tensors: tl.where, tl.abs and tl.int32 as torch's
+        scope = dict(names, rotated=values, tl=SimpleNamespace(where=torch.where, abs=torch.abs, int32=torch.int32))
+        for line in lines:
+            exec(line, {}, scope)
+        return scope["codes"]
+
+    expected = torch.searchsorted(boundaries, values, right=True)
+    assert torch.equal(run(Plan.code_search(bits)), expected)
+    assert torch.equal(run(Plan.code_search_symmetric(bits)), expected)
+
+
 @pytest.mark.parametrize("layout", ["slots", "planes"])
 def test_hadamard_keys_are_rotated_in_the_kernel_and_other_matrices_by_torch(device, build_module, layout,
                                                                              monkeypatch):

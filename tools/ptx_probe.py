@@ -166,6 +166,8 @@ def compile_store(module, block_t: int, warps: int):
         constants["KEYS"] = True
     if "WORDS" in kernel.arg_names:  # a cache whose address and strides allow 32-bit stores (make_cache's)
         constants["WORDS"] = True
+    if "SYMMETRIC_CODEBOOK" in kernel.arg_names:  # the default codebook's boundaries
+        constants["SYMMETRIC_CODEBOOK"] = True
     pointer_types = {"key_ptr": "*fp16", "value_ptr": "*fp16", "slot_mapping_ptr": "*i64", "cache_ptr": "*u8"}
     # A slots cache's head stride is the slot size, which is rarely a multiple of 16 (a launch then
     # specializes it as unaligned); its block and position strides are, with 16-token pages and 8 heads.

@@ -690,32 +690,57 @@ class Plan:
             terms.append((f"({source} & 0x{low_mask:08X}) | ({high} & 0x{high_mask:08X})", position))
         return terms
 
+    @property
+    def symmetric_store_search(self) -> bool:
+        """The store's key search has a second form for a codebook symmetric about 0 (the default one: the launcher
+        knows it by address, SYMMETRIC_CODEBOOK): 4-bit MSE keys whose codes alone are stored, not a norm corrected
+        by the codes' centroids (its squares are picked by each code bit the general search decides). ptxas of
+        triton 3.6, sm90a, a program of 4 tokens on 1 warp: k4v4 slots 1280 -> 1112 SASS instructions, head_dim 64
+        768 -> 712; 3-bit keys gained 2-6% at head_dim 128 and lost 2.5% at 256, so they keep one search."""
+        return not self.key_fp8 and self.layout.key_bits == 4 and not self.layout.key_norm_corrected
+
     @staticmethod
-    def code_search(bits: int) -> list[str]:
+    def code_search_symmetric(bits: int) -> list[str]:
+        """Statements that set `codes` as code_search does, for boundaries symmetric about 0 (boundary{j} equal to
+        -boundary{2**bits - 2 - j}, the middle one 0): code_search's binary search of |rotated| over the upper
+        half's 2**(bits-1) - 1 boundaries (bits - 1 comparisons), that half's code c, and for a negative value its
+        mirror 2**bits - 1 - c (an exclusive or). A value exactly at a negative boundary takes the code below it
+        instead of above: a tie, where either side is the nearest centroid to rounding. 4-bit keys: 4 selects an
+        element instead of 11."""
+        upper_half = 1 << (bits - 1)  # the index of the first boundary above the middle one (0)
+        return ["negative = rotated < 0.0", "magnitude = tl.abs(rotated)",
+                *Plan.code_search(bits - 1, value="magnitude", bit_name="half_bit", result="half_codes",
+                                  first_boundary=upper_half),
+                f"codes = (half_codes | {upper_half}) ^ tl.where(negative, {(1 << bits) - 1}, 0)"]
+
+    @staticmethod
+    def code_search(bits: int, value: str = "rotated", bit_name: str = "code_bit", result: str = "codes",
+                    first_boundary: int = 0) -> list[str]:
         """Statements that set `codes` to each element's key code by a binary search over the
         2**bits - 1 sorted decision boundaries (scalars `boundary{j}`), for the store kernel.
 
         Bit `bits - 1 - level` (`code_bit{i}`, booleans) compares `rotated` with the middle
         boundary of the interval the bits above it chose: 2**level candidates, narrowed pairwise
         by tl.where over those bits, newest first. Intermediate thresholds are named
-        (`threshold{i}_{fold}_{k}`) to keep each line short.
+        (`threshold{i}_{fold}_{k}`) to keep each line short. `value`, `bit_name` and `result` rename
+        rotated, code_bit and codes; the boundaries searched are boundary{first_boundary} on.
         """
         lines = []
         for level in range(bits):
             bit = bits - 1 - level
             width = 1 << (bits - level)  # boundaries + 1 per candidate interval
-            candidates = [f"boundary{prefix * width + width // 2 - 1}" for prefix in range(1 << level)]
+            candidates = [f"boundary{first_boundary + prefix * width + width // 2 - 1}" for prefix in range(1 << level)]
             for fold, decided in enumerate(range(bit + 1, bits)):  # newest decided bit first
-                pairs = [f"tl.where(code_bit{decided}, {candidates[k + 1]}, {candidates[k]})"
+                pairs = [f"tl.where({bit_name}{decided}, {candidates[k + 1]}, {candidates[k]})"
                          for k in range(0, len(candidates), 2)]
                 if len(pairs) == 1:
                     candidates = pairs
                     break
                 candidates = [f"threshold{bit}_{fold}_{k}" for k in range(len(pairs))]
                 lines += [f"{name} = {pair}" for name, pair in zip(candidates, pairs)]
-            lines.append(f"code_bit{bit} = rotated >= {candidates[0]}")
-        lines.append(f"codes = code_bit{bits - 1}.to(tl.int32) << {bits - 1}")
-        lines += [f"codes |= code_bit{bit}.to(tl.int32)" + (f" << {bit}" if bit else "")
+            lines.append(f"{bit_name}{bit} = {value} >= {candidates[0]}")
+        lines.append(f"{result} = {bit_name}{bits - 1}.to(tl.int32) << {bits - 1}")
+        lines += [f"{result} |= {bit_name}{bit}.to(tl.int32)" + (f" << {bit}" if bit else "")
                   for bit in range(bits - 2, -1, -1)]
         return lines
 
