@@ -479,7 +479,8 @@ def test_store_refuses_a_cache_of_2_to_the_31_slots_per_head(make_ctx, device, p
     ctx = make_ctx(preset)
     shape = (2**31 // ctx.config.block_size, *ctx.cache.shape[1:])
     huge = ctx.cache[:1].expand(shape)
-    with pytest.raises(ctx.module.LaunchError, match=r"kv_cache has 2147483648 slots per head, more than the 2\*\*31 - 1"):
+    message = r"kv_cache has 2147483648 slots per head, more than the 2\*\*31 - 1"
+    with pytest.raises(ctx.module.LaunchError, match=message):
         ctx.module.store(ctx.key, ctx.value, huge, ctx.slot_mapping, **ctx.codebook)
 
 

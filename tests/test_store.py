@@ -221,28 +221,6 @@ def test_the_default_codebook_takes_the_symmetric_search_and_stores_the_same_byt
                              module.default_rotation(device), module.default_centroids(device)) == 0
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
-def test_the_symmetric_search_codes_as_the_general_one_off_the_boundaries(bits):
-    """Plan.code_search_symmetric's statements, run on values strictly between and beyond symmetric boundaries
-    (and 0, and values at the positive ones), give code_search's codes."""
-    boundaries = torch.linspace(-1.0, 1.0, 2**bits - 1)  # fp32, as the kernel's (tl.where's scalars are fp32)
-    boundaries = (boundaries - boundaries.flip(0)) / 2  # exactly antisymmetric, the middle one 0
-    between = (boundaries[1:] + boundaries[:-1]) / 2
-    values = torch.cat([between, boundaries[-1:] + 1, boundaries[:1] - 1, torch.zeros(1),
-                        boundaries[boundaries > 0]])
-    names = {f"boundary{j}": float(b) for j, b in enumerate(boundaries)}
-
-    def run(lines):  # the statements on torch tensors: tl.where, tl.abs and tl.int32 as torch's
-        scope = dict(names, rotated=values, tl=SimpleNamespace(where=torch.where, abs=torch.abs, int32=torch.int32))
-        for line in lines:
-            exec(line, {}, scope)
-        return scope["codes"]
-
-    expected = torch.searchsorted(boundaries, values, right=True)
-    assert torch.equal(run(Plan.code_search(bits)), expected)
-    assert torch.equal(run(Plan.code_search_symmetric(bits)), expected)
-
-
 @pytest.mark.parametrize("layout", ["slots", "planes"])
 def test_hadamard_keys_are_rotated_in_the_kernel_and_other_matrices_by_torch(device, build_module, layout,
                                                                              monkeypatch):
@@ -345,6 +323,14 @@ def test_store_differences_takes_a_corrected_norm_from_the_codes_stored():
     assert differences(flipped(norm=None)) == 1  # the reference's norm: that of the other code
 
 
+def _codes_of(search, values, boundaries):
+    """The store's search statements (Plan.code_search or code_search_symmetric) run as torch code on `values`."""
+    namespace = {"tl": SimpleNamespace(where=torch.where, abs=torch.abs, int32=torch.int32), "rotated": values,
+                 **{f"boundary{j}": boundary for j, boundary in enumerate(boundaries)}}
+    exec("\n".join(search), namespace)
+    return namespace["codes"]
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_the_code_search_counts_the_boundaries_at_or_below_each_value(bits):
     """The store's binary search (Plan.code_search), run as torch code: the code of every
@@ -352,10 +338,22 @@ def test_the_code_search_counts_the_boundaries_at_or_below_each_value(bits):
     boundaries = torch.sort(torch.randn(2**bits - 1, generator=torch.Generator().manual_seed(bits))).values
     values = torch.cat([boundaries, boundaries - 1e-6, boundaries + 1e-6, torch.tensor([-1e9, 1e9]),
                         torch.randn(1000, generator=torch.Generator().manual_seed(bits + 10))])
-    namespace = {"tl": SimpleNamespace(where=torch.where, int32=torch.int32), "rotated": values,
-                 **{f"boundary{j}": boundary for j, boundary in enumerate(boundaries)}}
-    exec("\n".join(Plan.code_search(bits)), namespace)
-    assert torch.equal(namespace["codes"], (values[:, None] >= boundaries).sum(-1).to(torch.int32))
+    codes = _codes_of(Plan.code_search(bits), values, boundaries)
+    assert torch.equal(codes, (values[:, None] >= boundaries).sum(-1).to(torch.int32))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_the_symmetric_search_codes_as_the_general_one_off_the_boundaries(bits):
+    """Plan.code_search_symmetric's statements, run on values strictly between and beyond symmetric boundaries
+    (and 0, and values at the positive ones), give code_search's codes."""
+    boundaries = torch.linspace(-1.0, 1.0, 2**bits - 1)  # fp32, as the kernel's
+    boundaries = (boundaries - boundaries.flip(0)) / 2  # exactly antisymmetric, the middle one 0
+    between = (boundaries[1:] + boundaries[:-1]) / 2
+    values = torch.cat([between, boundaries[-1:] + 1, boundaries[:1] - 1, torch.zeros(1),
+                        boundaries[boundaries > 0]])
+    expected = torch.searchsorted(boundaries, values, right=True)
+    assert torch.equal(_codes_of(Plan.code_search(bits), values, boundaries), expected)
+    assert torch.equal(_codes_of(Plan.code_search_symmetric(bits), values, boundaries), expected)
 
 
 # --- the arithmetic shortcuts of the compiled kernel (GPU: the interpreter takes the plain paths) --
