@@ -220,10 +220,18 @@ def test_bytes_leave_out_the_padding_that_rounds_a_slot_up_to_even(monkeypatch):
     assert row.gbps == pytest.approx((batch * kv_heads * context * 69 + query_and_out) / 100e-6 / 1e9)
 
     module, config = _stub_module(70, 69), types.SimpleNamespace(name="k3v4-d72", head_dim=head_dim, block_size=16,
-                                                                  cache_layout="slots", output_dtype="auto")
+                                                                  cache_layout="slots", output_dtype="auto",
+                                                                  key_bits=8, value_bits=4, norm_correction=False)
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **k: 0.5)
     store = bench.bench_store(module, config, 32, ceiling_gbps=1000.0, num_kv_heads=kv_heads, device="cpu")
     assert store.nbytes == 2 * 32 * kv_heads * head_dim * 2 + 32 * kv_heads * 69
+    stored = []
+    monkeypatch.setattr(vllm, "cache_layout_for", lambda layout: contextlib.nullcontext())
+    monkeypatch.setattr(vllm, "triton_turboquant_store", lambda *a, **k: stored.append(k))
+    drop_in_store = bench.bench_vllm_store(module, config, 32, ceiling_gbps=1000.0, num_kv_heads=kv_heads,
+                                           device="cpu")
+    assert drop_in_store.op == "vllm-store" and drop_in_store.nbytes == store.nbytes
+    assert stored and stored[0]["key_fp8"] and "norm_correction" not in stored[0]  # vLLM's store takes none
     monkeypatch.setattr(bench, "random_problem", lambda module, config, b, t, hq, hk, device, **k: {
         "cache": torch.zeros(b * t // 16, 16, hk, 70, dtype=torch.uint8), "block_table": torch.zeros(b, t // 16),
         "seq_lens": torch.full((b,), t), "query": torch.randn(b, hq, head_dim, dtype=torch.float16)})

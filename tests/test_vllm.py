@@ -660,6 +660,48 @@ def test_default_centroids_of_the_callers_own_take_the_modules_tensor_in_decode(
     assert vllm._decode_centroids("test", three_bit, levels) is levels
 
 
+@pytest.mark.skipif(not INTERPRET, reason="a CPU test")
+def test_default_midpoints_of_the_callers_own_take_the_stores_half_search(monkeypatch):
+    """vLLM's midpoints within STORE_MIDPOINTS_RTOL of the default codebook's go to the store as no codebook at all
+    (the module's default centroids, whose boundaries its kernel searches by half for 4-bit keys), and the cache
+    holds format.md's bytes; other midpoints, 3-bit keys' and a tensor first seen in a capture keep their own."""
+    module = vllm._module("test", torch.device("cpu"), 128, 16, False, 4, 66, 4, True)
+    default = module.decision_boundaries(module.default_centroids("cpu"))
+    copy = (default.double() * (1 + 1e-7)).to(torch.float32)  # another solver's rounding of the same levels
+    assert not torch.equal(copy, default)
+    assert module.STORE_SYMMETRIC_SEARCH and vllm._store_boundaries(module, copy) == {}
+    other = default.clone()
+    other[3] += 1e-4
+    assert vllm._store_boundaries(module, other)["boundaries"] is other
+    copy[3] += 1e-4  # in place: its version moves
+    assert vllm._store_boundaries(module, copy)["boundaries"] is copy
+    three_bit = vllm._module("test", torch.device("cpu"), 128, 16, False, 3, 50, 4, True)
+    levels = three_bit.decision_boundaries(three_bit.default_centroids("cpu"))
+    assert not three_bit.STORE_SYMMETRIC_SEARCH and vllm._store_boundaries(three_bit, levels)["boundaries"] is levels
+    monkeypatch.setattr(vllm, "_capturing", lambda tensor: True)
+    fresh = default.clone()
+    assert vllm._store_boundaries(module, fresh)["boundaries"] is fresh
+
+    # The store takes the default codebook for them, and writes what format.md says of the caller's midpoints.
+    monkeypatch.setattr(vllm, "_capturing", lambda tensor: False)
+    taken, store = [], module.store
+    monkeypatch.setattr(module, "store", lambda *args, **kwargs: taken.append(kwargs) or store(*args, **kwargs))
+    pi, centroids = codebook_of("turboquant_4bit_nc", 128, "hadamard")
+    key, value, _, _, slot_mapping, num_blocks = ragged_batch(16, 2, 128, [19, 5], key_fp8=False)
+    slot_bytes = vllm.slot_size_aligned("turboquant_4bit_nc", 128)
+    cache = vllm_cache(num_blocks, 16, 2, slot_bytes, "head_major", "cpu")
+    vllm.triton_turboquant_store(key, value, cache, slot_mapping, pi.t().contiguous(),
+                                 (centroids[1:] + centroids[:-1]) / 2, 4, 66, 4)
+    assert len(taken) == 1 and "boundaries" not in taken[0]
+    built = vllm_cache(num_blocks, 16, 2, slot_bytes, "head_major", "cpu")
+    written = slot_mapping >= 0
+    mapping = slot_mapping[written].long()
+    slots = format_md_slots(key, value, pi.t(), centroids, 4, 4, slot_bytes)[written]
+    built[mapping // 16, mapping % 16, :, :134] = slots[..., :134]
+    config = make_config("k4v4", head_dim=128, block_size=16)
+    assert store_differences(config, cache, built, key.float(), slot_mapping, pi.t(), centroids) == 0
+
+
 REFUSALS = [
     (dict(value_quant_bits=2), "value_quant_bits 2"),
     (dict(mse_bits=2, key_packed_size=34), "mse_bits 2"),

@@ -293,6 +293,38 @@ def bench_store(module: ModuleType, config: Config, num_tokens: int, *, ceiling_
     return _op_row(config, "store", f"{num_tokens} tokens", graph_ms, nbytes, ceiling_gbps)
 
 
+def bench_vllm_store(module: ModuleType, config: Config, num_tokens: int, *, ceiling_gbps: float,
+                     num_kv_heads: int = 8, device="cuda") -> OpRow:
+    """tqgen.vllm's store as vLLM's backend calls it, in the config's cache layout: num_tokens fp16 (key, value)
+    pairs into shuffled slots of the cache allocated head-major and passed transposed, with copies of the config's
+    rotation (PiT) and the midpoints of its centroids (vLLM holds its own tensors); bytes as bench_store counts."""
+    import triton
+
+    from . import vllm
+
+    key = torch.randn(num_tokens, num_kv_heads, config.head_dim, dtype=torch.float16, device=device)
+    value = torch.randn_like(key)
+    num_blocks = -(-num_tokens // config.block_size)
+    cache = module.make_cache(num_blocks, num_kv_heads, device)
+    if config.cache_layout == "planes":  # the pages [num_blocks, Hk, block_size * slot] are the allocation
+        cache = cache.view(num_blocks, num_kv_heads, config.block_size, module.SLOT_BYTES).transpose(1, 2)
+    slots = torch.randperm(num_blocks * config.block_size, device=device)[:num_tokens]
+    arguments = vllm.format_arguments(config.key_bits, config.value_bits, config.norm_correction, config.head_dim)
+    del arguments["norm_correction"]  # decode's argument, not the store's
+    codebook = codebook_kwargs(module, device)
+    pit = codebook["rotation"].clone() if codebook else None
+    midpoints = module.decision_boundaries(codebook["centroids"]).clone() if codebook else None
+
+    def call():
+        vllm.triton_turboquant_store(key, value, cache, slots, pit, midpoints, **arguments)
+
+    with vllm.cache_layout_for(config.cache_layout):
+        call()
+        graph_ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
+    nbytes = 2 * key.numel() * key.element_size() + num_tokens * num_kv_heads * token_bytes(module)
+    return _op_row(config, "vllm-store", f"{num_tokens} tokens", graph_ms, nbytes, ceiling_gbps)
+
+
 def bench_dequantize(module: ModuleType, config: Config, batch: int, context: int, *, ceiling_gbps: float,
                      num_kv_heads: int = 8, device="cuda") -> OpRow:
     """Dense K and V of full-length sequences (fp16 unless the config says otherwise); bytes = slots read + K and V

@@ -256,6 +256,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if "store" in args.ops:
             measured += [bench.bench_store(module, config, tokens, ceiling_gbps=ceiling, num_kv_heads=args.kv_heads)
                          for tokens in args.store_tokens]
+        if "vllm-store" in args.ops:
+            measured += [bench.bench_vllm_store(module, config, tokens, ceiling_gbps=ceiling,
+                                                num_kv_heads=args.kv_heads) for tokens in args.store_tokens]
         if "dequantize" in args.ops:
             measured += [bench.bench_dequantize(module, config, batch, context, ceiling_gbps=ceiling,
                                                 num_kv_heads=args.kv_heads) for batch, context in dequant_shapes]
@@ -462,10 +465,11 @@ def make_parser() -> argparse.ArgumentParser:
                        help="batch x context pairs (default: the BENCHMARKS.md grid's: %(default)s)")
     bench.add_argument("--q-heads", type=int, default=32)
     bench.add_argument("--kv-heads", type=int, default=8)
-    bench.add_argument("--ops", nargs="+", choices=("decode", "store", "dequantize", "vllm-decode"),
+    bench.add_argument("--ops", nargs="+", choices=("decode", "store", "dequantize", "vllm-decode", "vllm-store"),
                        default=["decode", "store", "dequantize"],
-                       help="what to time (default: decode store dequantize); vllm-decode: tqgen.vllm's decode "
-                            "on vLLM's head-major cache in the config's cache layout, over the decode shapes")
+                       help="what to time (default: decode store dequantize); vllm-decode and vllm-store: tqgen.vllm's "
+                            "decode (over the decode shapes) and store (over --store-tokens) on vLLM's head-major cache "
+                            "in the config's cache layout")
     bench.add_argument("--store-tokens", type=int, nargs="+", metavar="N", default=[32, 4096, 65536],
                        help="tokens per store call (default: %(default)s)")
     bench.add_argument("--dequant-shapes", nargs="+", metavar="BxT", default=["1x4096", "32x8192"],
