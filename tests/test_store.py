@@ -205,6 +205,7 @@ def test_the_default_codebook_takes_the_symmetric_search_and_stores_the_same_byt
     config = make_config("k4v4", head_dim=head_dim, cache_layout=layout, norm_correction=layout == "slots")
     module = build_module(config)
     assert Plan.from_config(config).symmetric_store_search
+    monkeypatch.setattr(module, "STORE_SLOTS_GLUON", False, raising=False)  # tq_store's (tq_store_slots: below)
     batch = paged_batch(config, [3, 40, 17], num_kv_heads=2, device=device, generator=torch.Generator().manual_seed(5))
     store = KernelRecorder(module.tq_store)
     monkeypatch.setattr(module, "tq_store", store)
@@ -713,3 +714,129 @@ def test_boundaries_made_in_a_cuda_graph_capture_are_not_kept_for_later_stores(b
     captured = module.make_cache(1, 2, device)
     module.store(key, value, captured, slots)
     assert torch.equal(captured, expected)
+
+
+# --- the slots store of Hadamard MSE keys in Gluon (plan.store_slots_gluon) ---------------------------------------
+@pytest.mark.parametrize("fields,expected", [
+    (dict(preset="k3v4"), True), (dict(preset="k4v4"), True), (dict(preset="k3v3"), True),
+    (dict(preset="k8v4"), False), (dict(preset="k3v4", cache_layout="planes"), False),
+    (dict(preset="k3v4", head_dim=64), False), (dict(preset="k4v4", head_dim=256), False),
+    (dict(preset="k3v4", rotation="random"), False), (dict(preset="k4v4", value_bits=3), False),
+])
+def test_the_gluon_slots_store_renders_for_slots_of_hadamard_mse_keys_at_head_dim_128(fields, expected):
+    """tq_store_slots beside tq_store: slots, 3- or 4-bit keys under the config's Hadamard rotation, head_dim 128,
+    where the module carries Gluon (4-bit keys with 3-bit values have no Gluon decode, so no Gluon import)."""
+    fields = dict(fields)
+    preset, head_dim = fields.pop("preset"), fields.pop("head_dim", 128)
+    config = make_config(preset, head_dim=head_dim, **fields)
+    assert Plan.from_config(config).store_slots_gluon is expected
+    from tqgen import render
+    source = render.render(config)
+    assert ("def tq_store_slots(" in source) is expected and ("STORE_SLOTS_GLUON = " in source) is expected
+
+
+@pytest.mark.parametrize("call,slots_kernel,symmetric", [
+    (dict(), True, True), (dict(boundaries="default"), True, False), (dict(centroids="copy"), True, False),
+    (dict(rotation="copy"), False, None), (dict(block_t=4), False, None), (dict(num_warps=1), False, None),
+    (dict(disabled=True), False, None),
+])
+def test_the_slots_store_takes_the_gluon_kernel_unless_the_call_says_otherwise(build_module, monkeypatch, call,
+                                                                               slots_kernel, symmetric):
+    """On a GPU that runs Gluon (held so here) a slots store of Hadamard keys launches tq_store_slots alone, with
+    STORE_SLOTS_TOKENS tokens a program and the half search where it is given the default centroids themselves; a
+    call naming tq_store's launch, another rotation (keys rotated by torch first) or STORE_SLOTS_GLUON False takes
+    tq_store."""
+    config = make_config("k3v4")
+    module = build_module(config)
+    monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)
+    monkeypatch.setattr(module, "STORE_SLOTS_GLUON", not call.pop("disabled", False))
+    slots_store, store = KernelRecorder(), KernelRecorder()
+    monkeypatch.setattr(module, "tq_store_slots", slots_store)
+    monkeypatch.setattr(module, "tq_store", store)
+    if call.get("boundaries") == "default":
+        call["boundaries"] = module.decision_boundaries(module.default_centroids("cpu"))
+    if call.get("centroids") == "copy":
+        call["centroids"] = module.default_centroids("cpu").clone()
+    if call.get("rotation") == "copy":
+        call["rotation"] = module.default_rotation("cpu").clone()
+    batch = paged_batch(config, [3, 17], num_kv_heads=2, device="cpu", generator=torch.Generator().manual_seed(5))
+    module.store(batch.key, batch.value, module.make_cache(batch.num_blocks, 2, "cpu"), batch.slot_mapping, **call)
+    assert (len(slots_store.launches), len(store.launches)) == ((1, 0) if slots_kernel else (0, 1))
+    if slots_kernel:
+        grid, _, kwargs = slots_store.launches[0]
+        assert grid == (-(-20 // module.STORE_SLOTS_TOKENS), 2) and kwargs["BLOCK_T"] == module.STORE_SLOTS_TOKENS
+        assert kwargs["SYMMETRIC_CODEBOOK"] is symmetric and kwargs["num_warps"] == 1
+
+
+_STORE_SLOTS_COMPILE = """
+import json, os, sys, tempfile
+sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
+import ptx_probe, tqgen
+from tqgen import config as config_mod
+for name in sys.argv[1:]:
+    module = tqgen.load(config_mod.resolve_arch(config_mod.load(f"configs/{name}.yaml"), (9, 0)), tempfile.mkdtemp())
+    for symmetric in (True, False):
+        ptx = ptx_probe.compile_store_slots(module, module.STORE_SLOTS_TOKENS, symmetric).asm["ptx"]
+        print(json.dumps(dict(name=name, symmetric=symmetric, usage=ptx_probe.ptxas_usage(ptx),
+                              shuffles=ptx.count("shfl.sync.bfly"), shared=ptx.count(".shared"),
+                              local=ptx.count(".local"), stores=ptx.count("st.global"))))
+"""
+
+
+def test_the_gluon_slots_store_compiles_for_sm90():
+    """tq_store_slots of the three slots MSE presets, both searches, compiled offline for sm90 (this triton): the
+    transform's 48 shuffles of a lane (16 dims, 3 stages over lanes) and the reductions', no shared or local memory
+    (no value changes lanes through memory), one store per 16 bits of a lane's codes and per fp16 field."""
+    pytest.importorskip("triton.experimental.gluon")
+    names = ["k3v4-d128", "k4v4-d128", "k3v3-d128"]
+    reports = offline_compile_reports("-c", _STORE_SLOTS_COMPILE, *names)
+    assert [(report["name"], report["symmetric"]) for report in reports] == [
+        (name, symmetric) for name in names for symmetric in (True, False)]
+    for report in reports:
+        key_bits, value_bits = (4, 4) if report["name"].startswith("k4v4") else (3, int(report["name"][3]))
+        assert report["shuffles"] >= 48 and report["shared"] == 0 and report["local"] == 0, report
+        assert report["stores"] == key_bits + value_bits + 3, report
+        assert "stack" not in report["usage"] or "0 bytes cumulative stack" in report["usage"], report
+
+
+@pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("order", ["head_major", "position_major"])
+@pytest.mark.parametrize("_", [pytest.param(None, id="cuda", marks=GPU)])
+def test_the_gluon_slots_store_writes_tq_stores_bytes_and_nothing_else(build_module, monkeypatch, preset, dtype,
+                                                                       order, _):
+    """tq_store_slots against tq_store on the same call: the same bytes (a key code may differ where its coordinate
+    lies within rounding of a boundary, the fp16 norm by a unit in the last place: the norm's sum runs in another
+    order), the reference's too; with the default codebook (half search), other centroids and given boundaries
+    (the general one); skipped slots (negative, or past the cache unvalidated) and other slots untouched; tokens
+    that do not fill the last program."""
+    config = make_config(preset)
+    module = build_module(config)
+    kernel = KernelRecorder(module.tq_store_slots)
+    monkeypatch.setattr(module, "tq_store_slots", kernel)
+    batch = paged_batch(config, [1, 15, 17, 40], num_kv_heads=3, device="cuda", dtype=dtype,
+                        generator=torch.Generator().manual_seed(len(preset)))
+    batch.slot_mapping[::7] = -1
+    batch.slot_mapping[1] = batch.num_blocks * config.block_size + 3  # past the cache: skipped unvalidated
+    inside = batch.slot_mapping < batch.num_blocks * config.block_size
+    default = module.default_centroids("cuda")
+    other = torch.sort(default * torch.linspace(0.8, 1.2, default.numel(), device="cuda")).values
+    for codebook, centroids in ((dict(), default), (dict(centroids=other), other),
+                                (dict(boundaries=reference.decision_boundaries(other)), other)):
+        caches = []
+        for gluon in (True, False):
+            monkeypatch.setattr(module, "STORE_SLOTS_GLUON", gluon)
+            cache = module.make_cache(batch.num_blocks, 3, "cuda").fill_(SENTINEL)
+            if order == "position_major":
+                cache = as_position_major(cache).contiguous()
+            module.store(batch.key, batch.value, cache, batch.slot_mapping, validate=False, **codebook)
+            caches.append(cache)
+        expected = caches[1].clone().fill_(SENTINEL)
+        reference.store(Layout.from_config(config), batch.key[inside], batch.value[inside], expected,
+                        batch.slot_mapping[inside], module.default_rotation("cuda"), centroids)
+        for cache in caches:
+            assert store_differences(config, cache, expected, batch.key[inside], batch.slot_mapping[inside],
+                                     module.default_rotation("cuda"), centroids) == 0
+        assert store_differences(config, caches[0], caches[1], batch.key[inside], batch.slot_mapping[inside],
+                                 module.default_rotation("cuda"), centroids) == 0
+    assert [kwargs["SYMMETRIC_CODEBOOK"] for _, _, kwargs in kernel.launches] == [True, False, False]

@@ -273,6 +273,17 @@ class Plan:
         return (layout.planes and self.hadamard_keys and layout.head_dim == 128
                 and (layout.key_bits == 4 or (layout.key_bits == 3 and self.key_codes.split)))
 
+    @property
+    def store_slots_gluon(self) -> bool:
+        """The slots store of MSE keys under the config's Hadamard rotation at head_dim 128 has a Gluon kernel
+        (store/slots_gluon.py.jinja, tq_store_slots) beside tq_store, for GPUs that run Gluon: tq_store's arithmetic
+        with a lane per 16 contiguous dims of a token, so that no value crosses lanes but in the Walsh-Hadamard
+        transform's stages over lanes and the rows' reductions, where tq_store's compiler moved the transform's
+        output through shared memory and shuffled the codes to pack them."""
+        layout = self.layout
+        return (self.mma_stage1 and not layout.planes and self.hadamard_keys and layout.head_dim == 128
+                and layout.key_bits in (3, 4) and layout.value_bits in (3, 4) and self.halfword_loads)
+
     @staticmethod
     def code_square_terms(bits: int) -> list[tuple[list[int], str]]:
         """The sum of a token's squared centroids from counts of its codes' bits, for tq_store_keys_mma's norm

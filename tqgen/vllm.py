@@ -26,7 +26,7 @@ How vLLM's arguments map onto tqgen's (docs/format.md):
   any other matrix takes tqgen's general path (a torch matmul before the store's kernel).
 - The codebook. Decode reads the caller's centroids. vLLM's store takes the midpoints between sorted
   centroids instead: they go to tqgen's store as its decision boundaries, but where they are the default
-  codebook's (to 1e-6), which the store of 4-bit keys searches by half (symmetric about 0).
+  codebook's (to 1e-6), which the store searches by half (symmetric about 0) where it can.
 - Decode's buffers. tqgen's split-KV partials (per split: D fp32 outputs and one log-sum-exp) are
   carved out of vLLM's `mid_o_buf` `[B, Hq, max_num_kv_splits, D + 1]` fp32, which holds exactly
   that much at the full split count, and the rotated query (fp16) out of what fewer splits leave
@@ -426,8 +426,9 @@ def _store_rotation(fn, module, PiT, head_dim):
 
 def _store_boundaries(module, midpoints) -> dict:
     """The store's codebook arguments for vLLM's midpoints: none where they are the default ones (to
-    STORE_MIDPOINTS_RTOL) and the module's store searches half of those (STORE_SYMMETRIC_SEARCH: 4-bit keys; H100,
-    65536 tokens, 13% faster), else the midpoints as its boundaries. Decided once per tensor and version outside a
+    STORE_MIDPOINTS_RTOL) and the module's store searches half of those (STORE_SYMMETRIC_SEARCH: 4-bit keys, and
+    3-bit ones at head_dim 128 on a GPU that runs Gluon; H100, 4-bit keys at 65536 tokens, 12% faster), else the
+    midpoints as its boundaries. Decided once per tensor and version outside a
     capture and reused by a capture; a tensor first seen inside one keeps its own boundaries (correct for any)."""
     if not module.STORE_SYMMETRIC_SEARCH or not isinstance(midpoints, torch.Tensor):
         return dict(boundaries=_fp32(midpoints))
