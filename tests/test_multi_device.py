@@ -387,7 +387,7 @@ def test_a_default_made_for_cuda_is_found_by_the_indexed_device_that_asks(build_
 # GPU: two devices
 # --------------------------------------------------------------------------
 TWO_GPUS = pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-KERNELS = ("tq_store", "tq_store_slots", "tq_prepare_query", "tq_decode_stage1", "tq_decode_stage1_mma", "tq_decode_stage2",
+KERNELS = ("tq_store", "tq_store_gluon", "tq_prepare_query", "tq_decode_stage1", "tq_decode_stage1_mma", "tq_decode_stage2",
            "tq_dequantize")
 
 
@@ -442,7 +442,7 @@ def test_launchers_on_the_second_gpu_match_the_first_while_it_is_current(build_m
             torch.cuda.synchronize(device)
             assert torch.cuda.current_device() == 0
             launched = {name for name, _ in launches}
-            assert {"tq_decode_stage2", "tq_dequantize"} <= launched and launched & {"tq_store", "tq_store_slots"}, \
+            assert {"tq_decode_stage2", "tq_dequantize"} <= launched and launched & {"tq_store", "tq_store_gluon"}, \
                 launches
             assert all(current == index for _, current in launches), launches
             results[index] = [t.cpu() for t in (cache, out, keys, values)]

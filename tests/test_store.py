@@ -205,7 +205,7 @@ def test_the_default_codebook_takes_the_symmetric_search_and_stores_the_same_byt
     config = make_config("k4v4", head_dim=head_dim, cache_layout=layout, norm_correction=layout == "slots")
     module = build_module(config)
     assert Plan.from_config(config).symmetric_store_search
-    monkeypatch.setattr(module, "STORE_SLOTS_GLUON", False, raising=False)  # tq_store's (tq_store_slots: below)
+    monkeypatch.setattr(module, "STORE_GLUON", False, raising=False)  # tq_store's (tq_store_gluon: below)
     batch = paged_batch(config, [3, 40, 17], num_kv_heads=2, device=device, generator=torch.Generator().manual_seed(5))
     store = KernelRecorder(module.tq_store)
     monkeypatch.setattr(module, "tq_store", store)
@@ -595,6 +595,7 @@ def test_a_bad_launch_is_refused_before_the_tensor_core_key_store_runs(build_mod
     config = make_config("k3v4", cache_layout="planes")
     module = build_module(config)
     monkeypatch.setattr(module, "STORE_KEYS_MMA", True)
+    monkeypatch.setattr(module, "STORE_GLUON", False)  # else tq_store_gluon alone (tests below)
     monkeypatch.setattr(module, "STORE_MMA_MIN_TOKENS", 1)
     monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)
     keys_kernel, store = KernelRecorder(), KernelRecorder()
@@ -650,6 +651,7 @@ def test_keys_stored_on_the_tensor_cores_match_the_reference_and_skip_what_they_
     config = make_config(preset, cache_layout="planes", norm_correction=norm_correction)
     module = build_module(config)
     monkeypatch.setattr(module, "STORE_KEYS_MMA", True)  # whatever TQGEN_STORE_KEYS_MMA says
+    monkeypatch.setattr(module, "STORE_GLUON", False)  # else tq_store_gluon alone (tests below)
     if sum(lengths) < module.STORE_MMA_MIN_TOKENS:
         monkeypatch.setattr(module, "STORE_MMA_MIN_TOKENS", 1)
     keys_kernel, store = KernelRecorder(module.tq_store_keys_mma), KernelRecorder(module.tq_store)
@@ -716,23 +718,25 @@ def test_boundaries_made_in_a_cuda_graph_capture_are_not_kept_for_later_stores(b
     assert torch.equal(captured, expected)
 
 
-# --- the slots store of Hadamard MSE keys in Gluon (plan.store_slots_gluon) ---------------------------------------
+# --- the slots store of Hadamard MSE keys in Gluon (plan.store_gluon) ---------------------------------------
 @pytest.mark.parametrize("fields,expected", [
     (dict(preset="k3v4"), True), (dict(preset="k4v4"), True), (dict(preset="k3v3"), True),
-    (dict(preset="k8v4"), False), (dict(preset="k3v4", cache_layout="planes"), False),
+    (dict(preset="k8v4"), False), (dict(preset="k3v4", cache_layout="planes"), True),
+    (dict(preset="k3v3", cache_layout="planes"), True), (dict(preset="k8v4", cache_layout="planes"), False),
     (dict(preset="k3v4", head_dim=64), False), (dict(preset="k4v4", head_dim=256), False),
     (dict(preset="k3v4", rotation="random"), False), (dict(preset="k4v4", value_bits=3), False),
 ])
-def test_the_gluon_slots_store_renders_for_slots_of_hadamard_mse_keys_at_head_dim_128(fields, expected):
-    """tq_store_slots beside tq_store: slots, 3- or 4-bit keys under the config's Hadamard rotation, head_dim 128,
-    where the module carries Gluon (4-bit keys with 3-bit values have no Gluon decode, so no Gluon import)."""
+def test_the_gluon_store_renders_for_hadamard_mse_keys_at_head_dim_128(fields, expected):
+    """tq_store_gluon beside tq_store: slots or planes, 3- or 4-bit keys under the config's Hadamard rotation,
+    head_dim 128, where the module carries Gluon (4-bit keys with 3-bit values in slots have no Gluon decode, so no
+    Gluon import)."""
     fields = dict(fields)
     preset, head_dim = fields.pop("preset"), fields.pop("head_dim", 128)
     config = make_config(preset, head_dim=head_dim, **fields)
-    assert Plan.from_config(config).store_slots_gluon is expected
+    assert Plan.from_config(config).store_gluon is expected
     from tqgen import render
     source = render.render(config)
-    assert ("def tq_store_slots(" in source) is expected and ("STORE_SLOTS_GLUON = " in source) is expected
+    assert ("def tq_store_gluon(" in source) is expected and ("STORE_GLUON = " in source) is expected
 
 
 @pytest.mark.parametrize("call,slots_kernel,symmetric", [
@@ -742,16 +746,16 @@ def test_the_gluon_slots_store_renders_for_slots_of_hadamard_mse_keys_at_head_di
 ])
 def test_the_slots_store_takes_the_gluon_kernel_unless_the_call_says_otherwise(build_module, monkeypatch, call,
                                                                                slots_kernel, symmetric):
-    """On a GPU that runs Gluon (held so here) a slots store of Hadamard keys launches tq_store_slots alone, with
-    STORE_SLOTS_TOKENS tokens a program and the half search where it is given the default centroids themselves; a
-    call naming tq_store's launch, another rotation (keys rotated by torch first) or STORE_SLOTS_GLUON False takes
+    """On a GPU that runs Gluon (held so here) a slots store of Hadamard keys launches tq_store_gluon alone, with
+    STORE_GLUON_TOKENS tokens a program and the half search where it is given the default centroids themselves; a
+    call naming tq_store's launch, another rotation (keys rotated by torch first) or STORE_GLUON False takes
     tq_store."""
     config = make_config("k3v4")
     module = build_module(config)
-    monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)
-    monkeypatch.setattr(module, "STORE_SLOTS_GLUON", not call.pop("disabled", False))
+    monkeypatch.setattr(module, "_store_gluon_ready", lambda device: True)
+    monkeypatch.setattr(module, "STORE_GLUON", not call.pop("disabled", False))
     slots_store, store = KernelRecorder(), KernelRecorder()
-    monkeypatch.setattr(module, "tq_store_slots", slots_store)
+    monkeypatch.setattr(module, "tq_store_gluon", slots_store)
     monkeypatch.setattr(module, "tq_store", store)
     if call.get("boundaries") == "default":
         call["boundaries"] = module.decision_boundaries(module.default_centroids("cpu"))
@@ -764,11 +768,11 @@ def test_the_slots_store_takes_the_gluon_kernel_unless_the_call_says_otherwise(b
     assert (len(slots_store.launches), len(store.launches)) == ((1, 0) if slots_kernel else (0, 1))
     if slots_kernel:
         grid, _, kwargs = slots_store.launches[0]
-        assert grid == (-(-20 // module.STORE_SLOTS_TOKENS), 2) and kwargs["BLOCK_T"] == module.STORE_SLOTS_TOKENS
+        assert grid == (-(-20 // module.STORE_GLUON_TOKENS), 2) and kwargs["BLOCK_T"] == module.STORE_GLUON_TOKENS
         assert kwargs["SYMMETRIC_CODEBOOK"] is symmetric and kwargs["num_warps"] == 1
 
 
-_STORE_SLOTS_COMPILE = """
+_STORE_GLUON_COMPILE = """
 import json, os, sys, tempfile
 sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
 import ptx_probe, tqgen
@@ -776,7 +780,7 @@ from tqgen import config as config_mod
 for name in sys.argv[1:]:
     module = tqgen.load(config_mod.resolve_arch(config_mod.load(f"configs/{name}.yaml"), (9, 0)), tempfile.mkdtemp())
     for symmetric in (True, False):
-        ptx = ptx_probe.compile_store_slots(module, module.STORE_SLOTS_TOKENS, symmetric).asm["ptx"]
+        ptx = ptx_probe.compile_store_gluon(module, module.STORE_GLUON_TOKENS, symmetric).asm["ptx"]
         print(json.dumps(dict(name=name, symmetric=symmetric, usage=ptx_probe.ptxas_usage(ptx),
                               shuffles=ptx.count("shfl.sync.bfly"), shared=ptx.count(".shared"),
                               local=ptx.count(".local"), stores=ptx.count("st.global"))))
@@ -784,36 +788,41 @@ for name in sys.argv[1:]:
 
 
 def test_the_gluon_slots_store_compiles_for_sm90():
-    """tq_store_slots of the three slots MSE presets, both searches, compiled offline for sm90 (this triton): the
-    transform's 48 shuffles of a lane (16 dims, 3 stages over lanes) and the reductions', no shared or local memory
-    (no value changes lanes through memory), one store per 16 bits of a lane's codes and per fp16 field."""
+    """tq_store_gluon of the three MSE presets in both layouts, both searches, compiled offline for sm90 (this
+    triton): the transform's 48 shuffles of a lane (16 dims, 3 stages over lanes) and the reductions', no shared or
+    local memory (no value changes lanes through memory); in slots one store per 16 bits of a lane's codes and per
+    fp16 field, in planes per 32-bit word of codes (or group pair's high bytes), norm and scale-and-zero record."""
     pytest.importorskip("triton.experimental.gluon")
-    names = ["k3v4-d128", "k4v4-d128", "k3v3-d128"]
-    reports = offline_compile_reports("-c", _STORE_SLOTS_COMPILE, *names)
+    names = ["k3v4-d128", "k4v4-d128", "k3v3-d128", "k3v4-d128-planes", "k4v4-d128-planes", "k3v3-d128-planes"]
+    reports = offline_compile_reports("-c", _STORE_GLUON_COMPILE, *names)
     assert [(report["name"], report["symmetric"]) for report in reports] == [
         (name, symmetric) for name in names for symmetric in (True, False)]
     for report in reports:
         key_bits, value_bits = (4, 4) if report["name"].startswith("k4v4") else (3, int(report["name"][3]))
         assert report["shuffles"] >= 48 and report["shared"] == 0 and report["local"] == 0, report
-        assert report["stores"] == key_bits + value_bits + 3, report
+        if report["name"].endswith("planes"):  # 32-bit words (and split codes' high bytes), scale and zero in one
+            assert report["stores"] == 6, report
+        else:  # 16-bit words
+            assert report["stores"] == key_bits + value_bits + 3, report
         assert "stack" not in report["usage"] or "0 bytes cumulative stack" in report["usage"], report
 
 
 @pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("order", ["head_major", "position_major"])
+@pytest.mark.parametrize("order", ["head_major", "position_major", "planes", "planes-uncorrected"])
 @pytest.mark.parametrize("_", [pytest.param(None, id="cuda", marks=GPU)])
-def test_the_gluon_slots_store_writes_tq_stores_bytes_and_nothing_else(build_module, monkeypatch, preset, dtype,
-                                                                       order, _):
-    """tq_store_slots against tq_store on the same call: the same bytes (a key code may differ where its coordinate
+def test_the_gluon_store_writes_tq_stores_bytes_and_nothing_else(build_module, monkeypatch, preset, dtype, order, _):
+    """tq_store_gluon against tq_store on the same call: the same bytes (a key code may differ where its coordinate
     lies within rounding of a boundary, the fp16 norm by a unit in the last place: the norm's sum runs in another
     order), the reference's too; with the default codebook (half search), other centroids and given boundaries
     (the general one); skipped slots (negative, or past the cache unvalidated) and other slots untouched; tokens
-    that do not fill the last program."""
-    config = make_config(preset)
+    that do not fill the last program. Slots in either order; planes with the norms corrected by the codes'
+    centroids (the presets) or not."""
+    config = (make_config(preset, cache_layout="planes", norm_correction=order == "planes")
+              if order.startswith("planes") else make_config(preset))
     module = build_module(config)
-    kernel = KernelRecorder(module.tq_store_slots)
-    monkeypatch.setattr(module, "tq_store_slots", kernel)
+    kernel = KernelRecorder(module.tq_store_gluon)
+    monkeypatch.setattr(module, "tq_store_gluon", kernel)
     batch = paged_batch(config, [1, 15, 17, 40], num_kv_heads=3, device="cuda", dtype=dtype,
                         generator=torch.Generator().manual_seed(len(preset)))
     batch.slot_mapping[::7] = -1
@@ -821,11 +830,12 @@ def test_the_gluon_slots_store_writes_tq_stores_bytes_and_nothing_else(build_mod
     inside = batch.slot_mapping < batch.num_blocks * config.block_size
     default = module.default_centroids("cuda")
     other = torch.sort(default * torch.linspace(0.8, 1.2, default.numel(), device="cuda")).values
+    # Boundaries replace the centroids' midpoints, not the centroids (a corrected norm's): both passed.
     for codebook, centroids in ((dict(), default), (dict(centroids=other), other),
-                                (dict(boundaries=reference.decision_boundaries(other)), other)):
+                                (dict(centroids=other, boundaries=reference.decision_boundaries(other)), other)):
         caches = []
         for gluon in (True, False):
-            monkeypatch.setattr(module, "STORE_SLOTS_GLUON", gluon)
+            monkeypatch.setattr(module, "STORE_GLUON", gluon)
             cache = module.make_cache(batch.num_blocks, 3, "cuda").fill_(SENTINEL)
             if order == "position_major":
                 cache = as_position_major(cache).contiguous()

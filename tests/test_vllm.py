@@ -664,7 +664,7 @@ def test_default_centroids_of_the_callers_own_take_the_modules_tensor_in_decode(
 def test_default_midpoints_of_the_callers_own_take_the_stores_half_search(monkeypatch):
     """vLLM's midpoints within STORE_MIDPOINTS_RTOL of the default codebook's go to the store as no codebook at all
     (the module's default centroids, whose boundaries its kernels search by half: 4-bit keys, and 3-bit ones in
-    tq_store_slots), and the cache holds format.md's bytes; other midpoints, those of a module with no half search
+    tq_store_gluon), and the cache holds format.md's bytes; other midpoints, those of a module with no half search
     and a tensor first seen in a capture keep their own."""
     module = vllm._module("test", torch.device("cpu"), 128, 16, False, 4, 66, 4, True)
     default = module.decision_boundaries(module.default_centroids("cpu"))
@@ -676,7 +676,7 @@ def test_default_midpoints_of_the_callers_own_take_the_stores_half_search(monkey
     assert vllm._store_boundaries(module, other)["boundaries"] is other
     copy[3] += 1e-4  # in place: its version moves
     assert vllm._store_boundaries(module, copy)["boundaries"] is copy
-    # 3-bit keys at head_dim 128 search by half in tq_store_slots; at 64 no kernel does.
+    # 3-bit keys at head_dim 128 search by half in tq_store_gluon; at 64 no kernel does.
     three_bit = vllm._module("test", torch.device("cpu"), 128, 16, False, 3, 50, 4, True)
     assert three_bit.STORE_SYMMETRIC_SEARCH and vllm._store_boundaries(
         three_bit, three_bit.decision_boundaries(three_bit.default_centroids("cpu")).clone()) == {}

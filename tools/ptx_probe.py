@@ -156,16 +156,18 @@ def compile_store_keys_mma(module):
     return _compile_sm90(kernel, constants, pointer_types, aligned, 1, 1, GluonASTSource)
 
 
-def compile_store_slots(module, block_t: int, symmetric: bool = True):
-    """The Gluon slots store (Plan.store_slots_gluon) for fp16 keys and values, into make_cache's head-major cache."""
+def compile_store_gluon(module, block_t: int, symmetric: bool = True):
+    """The Gluon store (Plan.store_gluon) for fp16 keys and values, into make_cache's cache (slots: head-major)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    pointer_types = {"key_ptr": "*fp16", "value_ptr": "*fp16", "boundaries_ptr": "*fp32", "slot_mapping_ptr": "*i64",
-                     "cache_ptr": "*u8"}
+    kernel = module.tq_store_gluon
+    pointer_types = {"key_ptr": "*fp16", "value_ptr": "*fp16", "boundaries_ptr": "*fp32", "centroids_ptr": "*fp32",
+                     "slot_mapping_ptr": "*i64", "cache_ptr": "*u8"}
     constants = dict(BLOCK_T=block_t, SYMMETRIC_CODEBOOK=symmetric)
-    # The head stride is the slot size (2 mod 4): unaligned, as a launch specializes it.
-    aligned = ("stride_key", "stride_value", "stride_cache_block", "stride_cache_pos")
-    return _compile_sm90(module.tq_store_slots, constants, pointer_types, aligned, 1, 1, GluonASTSource)
+    # A slots cache's head stride is the slot size (2 mod 4): unaligned, as a launch specializes it.
+    aligned = ("stride_key", "stride_value", "stride_cache_block", "stride_cache_pos") \
+        if "stride_cache_pos" in kernel.arg_names else ("stride_",)
+    return _compile_sm90(kernel, constants, pointer_types, aligned, 1, 1, GluonASTSource)
 
 
 def compile_store(module, block_t: int, warps: int):

@@ -6,8 +6,8 @@ Ragged batches end mid-page, the block table has unused columns, and the
 cache has unused blocks, so any read past a sequence's tokens or write outside
 the given slots shows up as an error; racecheck sees the Gluon stage 1's shared-memory ring (planes, and
 slots with fp8 keys). Besides store, decode and dequantize as an engine calls them: decode with stage 1 merging its
-splits (merge_in_stage1: its atomic counters, both stage-1 kernels, ring or not), the slots store of Hadamard MSE
-keys by both kernels (tq_store_slots, then tq_store), the tensor-core key store
+splits (merge_in_stage1: its atomic counters, both stage-1 kernels, ring or not), the store of Hadamard MSE keys
+at head_dim 128 by both kernels (tq_store_gluon, then tq_store), the tensor-core key store
 (its token threshold lowered on the module so this small ragged batch takes it), decode_multi at 3 tokens a
 sequence (validate=False: the sequences of 0 and 1 tokens give zeros for the tokens that see nothing),
 decode_ragged, and dequantize of rotated keys.
@@ -33,13 +33,14 @@ for path in paths:
                         generator=torch.Generator().manual_seed(0))
     cache = module.make_cache(batch.num_blocks, 4, "cuda")
     module.store(batch.key, batch.value, cache, batch.slot_mapping, **kwargs)
-    if hasattr(module, "tq_store_slots"):  # the same slots again by tq_store (the store above ran tq_store_slots)
-        module.STORE_SLOTS_GLUON = False
+    if hasattr(module, "tq_store_gluon"):  # the same slots again by tq_store (the store above ran tq_store_gluon)
+        module.STORE_GLUON = False
         module.store(batch.key, batch.value, cache, batch.slot_mapping, **kwargs)
-        module.STORE_SLOTS_GLUON = True
     if hasattr(module, "tq_store_keys_mma"):  # the same slots again, keys on the tensor cores
         module.STORE_MMA_MIN_TOKENS = 1
         module.store(batch.key, batch.value, cache, batch.slot_mapping, **kwargs)
+    if hasattr(module, "tq_store_gluon"):
+        module.STORE_GLUON = True
     query = torch.randn(5, 12, config.head_dim, device="cuda", dtype=torch.float16)  # group size 3
     for num_splits in (1, 4):
         module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=num_splits, **kwargs)

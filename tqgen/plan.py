@@ -274,15 +274,15 @@ class Plan:
                 and (layout.key_bits == 4 or (layout.key_bits == 3 and self.key_codes.split)))
 
     @property
-    def store_slots_gluon(self) -> bool:
-        """The slots store of MSE keys under the config's Hadamard rotation at head_dim 128 has a Gluon kernel
-        (store/slots_gluon.py.jinja, tq_store_slots) beside tq_store, for GPUs that run Gluon: tq_store's arithmetic
-        with a lane per 16 contiguous dims of a token, so that no value crosses lanes but in the Walsh-Hadamard
-        transform's stages over lanes and the rows' reductions, where tq_store's compiler moved the transform's
-        output through shared memory and shuffled the codes to pack them."""
+    def store_gluon(self) -> bool:
+        """The store of MSE keys under the config's Hadamard rotation at head_dim 128 has a Gluon kernel
+        (store/gluon.py.jinja, tq_store_gluon) beside tq_store, for GPUs that run Gluon: tq_store's arithmetic with a
+        lane per 16 contiguous dims of a token, so that no value crosses lanes but in the Walsh-Hadamard transform's
+        stages over lanes and the rows' reductions, where tq_store's compiler moved the transform's output through
+        shared memory and shuffled the codes to pack them. Slots (2-byte aligned) and planes."""
         layout = self.layout
-        return (self.mma_stage1 and not layout.planes and self.hadamard_keys and layout.head_dim == 128
-                and layout.key_bits in (3, 4) and layout.value_bits in (3, 4) and self.halfword_loads)
+        return (self.mma_stage1 and self.hadamard_keys and layout.head_dim == 128 and layout.key_bits in (3, 4)
+                and layout.value_bits in (3, 4) and (layout.planes or self.halfword_loads))
 
     @staticmethod
     def code_square_terms(bits: int) -> list[tuple[list[int], str]]:
@@ -756,17 +756,18 @@ class Plan:
         return lines
 
     @staticmethod
-    def centroid_square_select(bits: int) -> list[str]:
+    def centroid_square_select(bits: int, bit_name: str = "code_bit", first: int = 0) -> list[str]:
         """Statements that set `centroid_square` to each element's squared centroid from the bits
         `code_search` decided (`code_bit{i}`) and scalars `centroid_square{j}`: a tree of tl.where
         over the bits, highest (the search's first) first: 2**bits - 1 selects and no memory access,
         for the store's norm correction. Intermediate values are named (`square{i}_{k}`) to keep
-        each line short."""
-        names = [f"centroid_square{j}" for j in range(2**bits)]
+        each line short. For a codebook symmetric about 0 (code_search_symmetric), a code and its mirror have one
+        square: (bits - 1, "half_bit", 2**(bits - 1)) picks among the upper half's by the bits of |y|'s search."""
+        names = [f"centroid_square{first + j}" for j in range(2**bits)]
         lines = []
         for bit in range(bits - 1, -1, -1):
             half = len(names) // 2
-            pairs = [f"tl.where(code_bit{bit}, {names[half + k]}, {names[k]})" for k in range(half)]
+            pairs = [f"tl.where({bit_name}{bit}, {names[half + k]}, {names[k]})" for k in range(half)]
             names = [f"square{bit}_{k}" for k in range(half)] if half > 1 else ["centroid_square"]
             lines += [f"{name} = {pair}" for name, pair in zip(names, pairs)]
         return lines
