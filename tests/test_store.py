@@ -723,13 +723,15 @@ def test_boundaries_made_in_a_cuda_graph_capture_are_not_kept_for_later_stores(b
     (dict(preset="k3v4"), True), (dict(preset="k4v4"), True), (dict(preset="k3v3"), True),
     (dict(preset="k8v4"), False), (dict(preset="k3v4", cache_layout="planes"), True),
     (dict(preset="k3v3", cache_layout="planes"), True), (dict(preset="k8v4", cache_layout="planes"), False),
-    (dict(preset="k3v4", head_dim=64), False), (dict(preset="k4v4", head_dim=256), False),
+    (dict(preset="k3v4", head_dim=64), False), (dict(preset="k4v4", head_dim=64), True),
+    (dict(preset="k4v4", head_dim=256), True), (dict(preset="k3v4", head_dim=256), True),
+    (dict(preset="k4v4", head_dim=96), False), (dict(preset="k4v4", head_dim=64, cache_layout="planes"), False),
     (dict(preset="k3v4", rotation="random"), False), (dict(preset="k4v4", value_bits=3), False),
 ])
-def test_the_gluon_store_renders_for_hadamard_mse_keys_at_head_dim_128(fields, expected):
-    """tq_store_gluon beside tq_store: slots or planes, 3- or 4-bit keys under the config's Hadamard rotation,
-    head_dim 128, where the module carries Gluon (4-bit keys with 3-bit values in slots have no Gluon decode, so no
-    Gluon import)."""
+def test_the_gluon_store_renders_for_hadamard_mse_keys(fields, expected):
+    """tq_store_gluon beside tq_store: 3- or 4-bit keys under the config's Hadamard rotation, in slots at head_dim
+    64, 128 or 256 where a lane's codes are whole 16-bit words (so not 3 bits at 64), in planes at 128; where the
+    module carries Gluon (4-bit keys with 3-bit values in slots have no Gluon decode, so no Gluon import)."""
     fields = dict(fields)
     preset, head_dim = fields.pop("preset"), fields.pop("head_dim", 128)
     config = make_config(preset, head_dim=head_dim, **fields)
@@ -788,38 +790,46 @@ for name in sys.argv[1:]:
 
 
 def test_the_gluon_slots_store_compiles_for_sm90():
-    """tq_store_gluon of the three MSE presets in both layouts, both searches, compiled offline for sm90 (this
-    triton): the transform's 48 shuffles of a lane (16 dims, 3 stages over lanes) and the reductions', no shared or
-    local memory (no value changes lanes through memory); in slots one store per 16 bits of a lane's codes and per
-    fp16 field, in planes per 32-bit word of codes (or group pair's high bytes), norm and scale-and-zero record."""
+    """tq_store_gluon of the MSE configs that have it, both searches, compiled offline for sm90 (this triton): the
+    transform's 3 head_dim / 8 shuffles of a lane (3 stages over lanes) and the reductions', no shared or local
+    memory (no value changes lanes through memory); in slots one store per 16 bits of a lane's codes and per fp16
+    field, in planes per 32-bit word of codes (or group pair's high bytes), norm and scale-and-zero record."""
     pytest.importorskip("triton.experimental.gluon")
-    names = ["k3v4-d128", "k4v4-d128", "k3v3-d128", "k3v4-d128-planes", "k4v4-d128-planes", "k3v3-d128-planes"]
+    names = ["k3v4-d128", "k4v4-d128", "k3v3-d128", "k4v4-d64", "k3v4-d256", "k3v4-d128-planes", "k4v4-d128-planes",
+             "k3v3-d128-planes"]
     reports = offline_compile_reports("-c", _STORE_GLUON_COMPILE, *names)
     assert [(report["name"], report["symmetric"]) for report in reports] == [
         (name, symmetric) for name in names for symmetric in (True, False)]
     for report in reports:
         key_bits, value_bits = (4, 4) if report["name"].startswith("k4v4") else (3, int(report["name"][3]))
-        assert report["shuffles"] >= 48 and report["shared"] == 0 and report["local"] == 0, report
+        head_dim = int(report["name"].split("-")[1][1:])
+        assert report["shuffles"] >= 3 * head_dim // 8 and report["shared"] == 0 and report["local"] == 0, report
         if report["name"].endswith("planes"):  # 32-bit words (and split codes' high bytes), scale and zero in one
             assert report["stores"] == 6, report
-        else:  # 16-bit words
-            assert report["stores"] == key_bits + value_bits + 3, report
+        else:  # a lane's head_dim / 8 codes of a field in 16-bit words, and the three fp16 fields
+            assert report["stores"] == (key_bits + value_bits) * head_dim // 128 + 3, report
         assert "stack" not in report["usage"] or "0 bytes cumulative stack" in report["usage"], report
 
 
-@pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3"])
+GLUON_STORE_CASES = ([(preset, 128, order) for preset in ("k3v4", "k4v4", "k3v3")
+                      for order in ("head_major", "position_major", "planes", "planes-uncorrected")]
+                     + [("k4v4", 64, "head_major"), ("k4v4", 64, "position_major"), ("k3v4", 256, "head_major"),
+                        ("k3v4", 256, "position_major")])
+
+
+@pytest.mark.parametrize("preset,head_dim,order", GLUON_STORE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("order", ["head_major", "position_major", "planes", "planes-uncorrected"])
 @pytest.mark.parametrize("_", [pytest.param(None, id="cuda", marks=GPU)])
-def test_the_gluon_store_writes_tq_stores_bytes_and_nothing_else(build_module, monkeypatch, preset, dtype, order, _):
+def test_the_gluon_store_writes_tq_stores_bytes_and_nothing_else(build_module, monkeypatch, preset, head_dim, order,
+                                                                  dtype, _):
     """tq_store_gluon against tq_store on the same call: the same bytes (a key code may differ where its coordinate
     lies within rounding of a boundary, the fp16 norm by a unit in the last place: the norm's sum runs in another
     order), the reference's too; with the default codebook (half search), other centroids and given boundaries
     (the general one); skipped slots (negative, or past the cache unvalidated) and other slots untouched; tokens
-    that do not fill the last program. Slots in either order; planes with the norms corrected by the codes'
-    centroids (the presets) or not."""
+    that do not fill the last program. Slots in either order (head_dim 64, 128, 256); planes with the norms
+    corrected by the codes' centroids (the presets) or not."""
     config = (make_config(preset, cache_layout="planes", norm_correction=order == "planes")
-              if order.startswith("planes") else make_config(preset))
+              if order.startswith("planes") else make_config(preset, head_dim=head_dim))
     module = build_module(config)
     kernel = KernelRecorder(module.tq_store_gluon)
     monkeypatch.setattr(module, "tq_store_gluon", kernel)

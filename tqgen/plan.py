@@ -275,14 +275,20 @@ class Plan:
 
     @property
     def store_gluon(self) -> bool:
-        """The store of MSE keys under the config's Hadamard rotation at head_dim 128 has a Gluon kernel
+        """The store of MSE keys under the config's Hadamard rotation has a Gluon kernel
         (store/gluon.py.jinja, tq_store_gluon) beside tq_store, for GPUs that run Gluon: tq_store's arithmetic with a
         lane per 16 contiguous dims of a token, so that no value crosses lanes but in the Walsh-Hadamard transform's
         stages over lanes and the rows' reductions, where tq_store's compiler moved the transform's output through
-        shared memory and shuffled the codes to pack them. Slots (2-byte aligned) and planes."""
+        shared memory and shuffled the codes to pack them. Slots (2-byte aligned) at head_dim 64, 128 and 256, planes
+        at 128."""
         layout = self.layout
-        return (self.mma_stage1 and self.hadamard_keys and layout.head_dim == 128 and layout.key_bits in (3, 4)
-                and layout.value_bits in (3, 4) and (layout.planes or self.halfword_loads))
+        if not (self.mma_stage1 and self.hadamard_keys and layout.key_bits in (3, 4) and layout.value_bits in (3, 4)):
+            return False
+        if layout.planes:
+            return layout.head_dim == 128
+        # Slots: a lane's D / 8 codes of each field a whole number of 16-bit words (so not 3 bits at head_dim 64).
+        return (self.halfword_loads and layout.head_dim in (64, 128, 256)
+                and layout.key_bits * layout.head_dim % 128 == 0 and layout.value_bits * layout.head_dim % 128 == 0)
 
     @staticmethod
     def code_square_terms(bits: int) -> list[tuple[list[int], str]]:
