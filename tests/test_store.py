@@ -357,6 +357,24 @@ def test_the_symmetric_search_codes_as_the_general_one_off_the_boundaries(bits):
     assert torch.equal(_codes_of(Plan.code_search_symmetric(bits), values, boundaries), expected)
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+def test_a_symmetric_codebooks_squares_follow_the_half_search(bits):
+    """The squares tq_store_gluon corrects norms by under the half search (Plan.centroid_square_select over its
+    half bits and the upper half's squares), run as torch code, are each code's centroid squared, as the general
+    search's selection gives them."""
+    centroids = torch.tensor(codebook.centroids(bits, 128))  # the default codebook: symmetric about 0
+    boundaries = (centroids[1:] + centroids[:-1]) / 2
+    values = torch.randn(2000, generator=torch.Generator().manual_seed(bits)) * float(centroids.abs().max())
+    squares = {f"centroid_square{j}": centroid * centroid for j, centroid in enumerate(centroids)}
+    for search, select in ((Plan.code_search_symmetric(bits), Plan.centroid_square_select(bits - 1, "half_bit",
+                                                                                           2 ** (bits - 1))),
+                           (Plan.code_search(bits), Plan.centroid_square_select(bits))):
+        namespace = {"tl": SimpleNamespace(where=torch.where, abs=torch.abs, int32=torch.int32), "rotated": values,
+                     **{f"boundary{j}": boundary for j, boundary in enumerate(boundaries)}, **squares}
+        exec("\n".join(search + select), namespace)
+        assert torch.equal(namespace["centroid_square"], (centroids * centroids)[namespace["codes"].long()])
+
+
 # --- the arithmetic shortcuts of the compiled kernel (GPU: the interpreter takes the plain paths) --
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
 

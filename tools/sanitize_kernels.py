@@ -7,7 +7,7 @@ cache has unused blocks, so any read past a sequence's tokens or write outside
 the given slots shows up as an error; racecheck sees the Gluon stage 1's shared-memory ring (planes, and
 slots with fp8 keys). Besides store, decode and dequantize as an engine calls them: decode with stage 1 merging its
 splits (merge_in_stage1: its atomic counters, both stage-1 kernels, ring or not), the store of Hadamard MSE keys
-at head_dim 128 by both kernels (tq_store_gluon, then tq_store), the tensor-core key store
+by both kernels where it has two (tq_store_gluon, then tq_store), the tensor-core key store
 (its token threshold lowered on the module so this small ragged batch takes it), decode_multi at 3 tokens a
 sequence (validate=False: the sequences of 0 and 1 tokens give zeros for the tokens that see nothing),
 decode_ragged, and dequantize of rotated keys.

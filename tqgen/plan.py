@@ -277,10 +277,10 @@ class Plan:
     def store_gluon(self) -> bool:
         """The store of MSE keys under the config's Hadamard rotation has a Gluon kernel
         (store/gluon.py.jinja, tq_store_gluon) beside tq_store, for GPUs that run Gluon: tq_store's arithmetic with a
-        lane per 16 contiguous dims of a token, so that no value crosses lanes but in the Walsh-Hadamard transform's
-        stages over lanes and the rows' reductions, where tq_store's compiler moved the transform's output through
-        shared memory and shuffled the codes to pack them. Slots (2-byte aligned) at head_dim 64, 128 and 256, planes
-        at 128."""
+        lane per head_dim / 8 contiguous dims of a token, so that no value crosses lanes but in the Walsh-Hadamard
+        transform's stages over lanes and the rows' reductions, where tq_store's compiler moved the transform's
+        output through shared memory and shuffled the codes to pack them. Slots (2-byte aligned) at head_dim 64, 128
+        and 256, planes at 128."""
         layout = self.layout
         if not (self.mma_stage1 and self.hadamard_keys and layout.key_bits in (3, 4) and layout.value_bits in (3, 4)):
             return False
