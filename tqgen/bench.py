@@ -228,10 +228,7 @@ def vllm_decode_call(module: ModuleType, config: Config, problem: dict,
     batch, num_q_heads, _ = query.shape
     device = cache.device
     arguments = vllm.format_arguments(config.key_bits, config.value_bits, config.norm_correction, config.head_dim)
-    if config.cache_layout == "planes":  # the pages [num_blocks, Hk, block_size * slot] are the allocation
-        head_major = cache.view(cache.shape[0], cache.shape[1], config.block_size, module.SLOT_BYTES).transpose(1, 2)
-    else:
-        head_major = cache  # random_problem lays a slots cache out as make_cache does: head-major
+    head_major = vllm_cache_view(module, config, cache)
     # Copies of the config's rotation and centroids: vLLM's backend holds its own tensors, not the module's.
     codebook = {name: tensor.clone() for name, tensor in codebook_kwargs(module, device).items()}
     rotation = codebook.get("rotation")
@@ -245,6 +242,15 @@ def vllm_decode_call(module: ModuleType, config: Config, problem: dict,
                                                 max_num_kv_splits=max_num_kv_splits, **buffers, **arguments)
 
     return call
+
+
+def vllm_cache_view(module: ModuleType, config: Config, cache: torch.Tensor) -> torch.Tensor:
+    """A module's make_cache cache as vLLM's kernels take their head-major allocation, [num_blocks, block_size,
+    num_kv_heads, slot]: a slots cache is that already; a planes cache's pages [num_blocks, Hk, block_size * slot]
+    are the allocation, viewed so."""
+    if config.cache_layout != "planes":
+        return cache
+    return cache.view(cache.shape[0], cache.shape[1], config.block_size, module.SLOT_BYTES).transpose(1, 2)
 
 
 def token_bytes(module: ModuleType) -> int:
@@ -305,9 +311,7 @@ def bench_vllm_store(module: ModuleType, config: Config, num_tokens: int, *, cei
     key = torch.randn(num_tokens, num_kv_heads, config.head_dim, dtype=torch.float16, device=device)
     value = torch.randn_like(key)
     num_blocks = -(-num_tokens // config.block_size)
-    cache = module.make_cache(num_blocks, num_kv_heads, device)
-    if config.cache_layout == "planes":  # the pages [num_blocks, Hk, block_size * slot] are the allocation
-        cache = cache.view(num_blocks, num_kv_heads, config.block_size, module.SLOT_BYTES).transpose(1, 2)
+    cache = vllm_cache_view(module, config, module.make_cache(num_blocks, num_kv_heads, device))
     slots = torch.randperm(num_blocks * config.block_size, device=device)[:num_tokens]
     arguments = vllm.format_arguments(config.key_bits, config.value_bits, config.norm_correction, config.head_dim)
     del arguments["norm_correction"]  # decode's argument, not the store's

@@ -208,16 +208,20 @@ def _cache_view(fn, module, kv_cache):
     return kv_cache.as_strided((num_blocks, num_kv_heads, page_bytes), (kv_cache.stride(0), page_bytes, 1))
 
 
+def _near(source, expected, rtol) -> bool:
+    """Whether source (any dtype) has expected's shape and values within rtol of expected's largest magnitude."""
+    return (tuple(source.shape) == tuple(expected.shape)
+            and bool(torch.allclose(source.to(torch.float32), expected, rtol=0.0,
+                                    atol=rtol * float(expected.abs().max()))))
+
+
 def _default_codebook(fn, module, name, tensor, default):
     """Refuse a codebook tensor other than the module's default (planes: the store folds the default centroids'
     squares into the key norms); checked once per tensor and version, taken on trust in a capture."""
     def matches(source, capturing):
         if capturing:
             return True  # comparing reads values on the host; the eager calls before a capture check it
-        expected = default(source.device)
-        return (tuple(source.shape) == tuple(expected.shape)
-                and bool(torch.allclose(source.to(torch.float32), expected, rtol=0.0,
-                                        atol=PLANES_CODEBOOK_RTOL * float(expected.abs().max()))))
+        return _near(source, default(source.device), PLANES_CODEBOOK_RTOL)
 
     if isinstance(tensor, torch.Tensor) and not _derive(("default-codebook", id(module), name), tensor, matches):
         _refuse(fn, f"{name} differ from the default Lloyd-Max codebook: the planes cache layout stores key norms "
@@ -428,18 +432,16 @@ def _store_boundaries(module, midpoints) -> dict:
     """The store's codebook arguments for vLLM's midpoints: none where they are the default ones (to
     STORE_MIDPOINTS_RTOL) and the module's store searches half of those (STORE_SYMMETRIC_SEARCH: 4-bit keys, and
     3-bit ones at head_dim 128 on a GPU that runs Gluon; H100, 4-bit keys at 65536 tokens, 12% faster), else the
-    midpoints as its boundaries. Decided once per tensor and version outside a
-    capture and reused by a capture; a tensor first seen inside one keeps its own boundaries (correct for any)."""
+    midpoints as its boundaries. Decided once per tensor and version outside a capture and reused by a capture; a
+    tensor first seen inside one keeps its own boundaries (correct for any)."""
     if not module.STORE_SYMMETRIC_SEARCH or not isinstance(midpoints, torch.Tensor):
         return dict(boundaries=_fp32(midpoints))
 
     def is_default(source, capturing):
         if capturing:  # comparing reads values on the host
             return False
-        default = module.decision_boundaries(module.default_centroids(source.device))
-        return (source.shape == default.shape
-                and bool(torch.allclose(source.to(torch.float32), default, rtol=0.0,
-                                        atol=STORE_MIDPOINTS_RTOL * float(default.abs().max()))))
+        return _near(source, module.decision_boundaries(module.default_centroids(source.device)),
+                     STORE_MIDPOINTS_RTOL)
 
     return {} if _derive(("default-midpoints", id(module)), midpoints, is_default) else dict(boundaries=_fp32(midpoints))
 
