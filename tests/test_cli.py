@@ -19,7 +19,9 @@ K3V4 = "configs/k3v4-d128.yaml"
 K8V4 = "configs/k8v4-d128.yaml"
 GOOD_YAML = "key_format: mse\nkey_bits: 3\nvalue_bits: 4\nhead_dim: 128\n"
 SM90_YAML = GOOD_YAML + "arch: sm90\n"
-SHIPPED = REPO / "tuned" / "NVIDIA_H200" / "tq_kmse3_v4_d128_p16_nc_hadamard_sm90.json"
+# K3V4's committed tuned file for sm90 (the H100's: tuned/README.md) and the GPU it names.
+(SHIPPED,) = (REPO / "tuned").glob("*/tq_kmse3_v4_d128_p16_nc_hadamard_sm90.json")
+SHIPPED_DEVICE = json.loads(SHIPPED.read_text())["metadata"]["device_name"]
 FINGERPRINT = {"device_name": "Test GPU", "compute_capability": "9.0", "sm_count": 4,
                "triton_version": "3.6.0", "torch_version": "2.11.0"}
 
@@ -81,7 +83,8 @@ def test_build_writes_a_dispatcher_and_every_arch_per_config(built):
             (line,) = [line for line in lines if line.endswith(variant_name(config_path, arch)) or
                        f"{variant_name(config_path, arch)} " in line]
             assert line.startswith(f"  {arch} ")
-            assert ("NVIDIA H200 (" in line) == (arch == "sm90") and ("none" in line) == (arch != "sm90")
+            assert ("NVIDIA H" in line) == (arch == "sm90") and ("none" in line) == (arch != "sm90")
+            assert (f"{SHIPPED_DEVICE} (" in line) == (arch == "sm90" and config_path == K3V4)
 
 
 def test_built_modules_compile(built):
@@ -116,8 +119,8 @@ def test_build_of_an_explicit_arch_writes_that_module_only(tmp_path):
     assert module.name == variant_name(K3V4, "sm90") == f"{explicit.artifact_name()}.py"
     assert module.read_bytes() == render_mod.render(
         explicit, tuned_files.baked_launches(REPO / "tuned", explicit, print)).encode("utf-8")
-    buckets = len(tuned_files.baked_launches(REPO / "tuned", explicit, print)["NVIDIA H200"]["buckets"])
-    assert result.stdout == f"{config} -> {module} (tuned launches: NVIDIA H200 ({buckets} buckets))\n"
+    buckets = len(tuned_files.baked_launches(REPO / "tuned", explicit, print)[SHIPPED_DEVICE]["buckets"])
+    assert result.stdout == f"{config} -> {module} (tuned launches: {SHIPPED_DEVICE} ({buckets} buckets))\n"
 
 
 def test_second_build_leaves_files_untouched(built):
@@ -288,13 +291,13 @@ def test_show_prints_slot_size_and_artifact_name():
     assert config_mod.load(REPO / K3V4).hash() in result.stdout
     assert render_mod.template_hash() in result.stdout
     sm90 = dataclasses.replace(config_mod.load(REPO / K3V4), arch="sm90")
-    buckets = len(tuned_files.baked_launches(REPO / "tuned", sm90, print)["NVIDIA H200"]["buckets"])
+    buckets = len(tuned_files.baked_launches(REPO / "tuned", sm90, print)[SHIPPED_DEVICE]["buckets"])
     shown = result.stdout.split("\nvariant     ")[1:]
     assert [block.split(":")[0] for block in shown] == list(config_mod.KNOWN_ARCHES)
     for arch, block in zip(config_mod.KNOWN_ARCHES, shown):
         variant = dataclasses.replace(config_mod.load(REPO / K3V4), arch=arch)
         assert block.startswith(f"{arch}: {variant_name(K3V4, arch)}, decode {render_mod.decode_kernel_hash(variant)}")
-        assert (f"  tuned       NVIDIA H200: {buckets} buckets" in block) == (arch == "sm90"), block
+        assert (f"  tuned       {SHIPPED_DEVICE}: {buckets} buckets" in block) == (arch == "sm90"), block
         assert ("  tuned       none" in block) == (arch != "sm90")
 
 
@@ -305,7 +308,7 @@ def test_show_of_an_explicit_arch_shows_that_module(tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"artifact    {config_mod.load(config).artifact_name()}.py\n" in result.stdout
     assert "variant " not in result.stdout
-    assert "tuned       none for sm80" in result.stdout and "NVIDIA_H200/tq_kmse3_v4_d128_p16_nc_hadamard_sm90.json" \
+    assert "tuned       none for sm80" in result.stdout and f"{SHIPPED.parent.name}/{SHIPPED.name}" \
         in result.stdout  # the arch that has launches is named
 
 
@@ -380,7 +383,7 @@ def _first_best(field, value):
 def test_a_damaged_tuned_file_is_reported_and_ignored_by_build_and_show(tmp_path, damage, command):
     document = json.loads(SHIPPED.read_text())
     damage(document)
-    tuned = tmp_path / "tuned" / "NVIDIA_H200"
+    tuned = tmp_path / "tuned" / SHIPPED.parent.name
     tuned.mkdir(parents=True)
     (tuned / SHIPPED.name).write_text(json.dumps(document))
     config = tmp_path / "sm90.yaml"

@@ -8,11 +8,10 @@ import torch
 
 from conftest import (ODD_FORMATS, PRESETS, KernelRecorder, check_decode, codebook_kwargs, make_config, planes_config,
                       planes_config_of, skip_a_launch_the_interpreter_already_ran, stored_cache)
-import tqgen
 from tqgen import config as config_mod, layout, render, tuner
 from tqgen.layout import Layout
-from tqgen.plan import Plan
 from tqgen.testing import relative_error
+
 
 def _decode_inputs(module, config, seq_lens, device, query_seed, cache_seed=0):
     """A filled cache over 2 KV heads, a query of 8 heads, and the module's codebook arguments."""
@@ -226,7 +225,7 @@ def test_who_prepares_the_query(preset, layout):
     stage1_arguments = source.split("def tq_decode_stage1(")[1].split("):")[0]
     assert ("def tq_prepare_query(" in source) == (preset == "k3v4")
     assert "query.to(torch.float32)" not in decode  # the torch ops that ran before stage 1
-    rotates = preset == "k3v4" and (layout == "planes" or Plan.from_config(config).renders("slots_rotate_query"))
+    rotates = preset == "k3v4"  # MSE keys under the Hadamard rotation at head_dim 128, both layouts
     assert ("score_scale," in stage1_arguments) == (preset == "k8v4" or rotates)
     assert ("ROTATE_QUERY" in stage1_arguments) == rotates
 
@@ -286,13 +285,12 @@ def test_rotate_query_overrides_the_batch_rule(device, build_module, rotate_quer
 
 
 @pytest.mark.parametrize("rotate_query", [True, False])
-def test_slots_stage1_rotates_the_query_with_the_pending_kernel(device, monkeypatch, tmp_path, rotate_query):
-    """With the pending slots_rotate_query, a slots MSE module's stage 1 (the tl.dot kernel in the interpreter,
-    the Gluon one on a GPU) rotates the caller's query itself where rotate_query (no tq_prepare_query), and
-    both ways match the reference of the same cache."""
-    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "slots_rotate_query")
+def test_slots_stage1_rotates_the_query_itself(device, build_module, monkeypatch, rotate_query):
+    """A slots MSE module's stage 1 (the tl.dot kernel in the interpreter, the Gluon one on a GPU) rotates the
+    caller's query itself where rotate_query (no tq_prepare_query), as planes does, and both ways match the
+    reference of the same cache."""
     config = make_config("k3v4", cache_layout="slots")
-    module = tqgen.load(config, tmp_path)  # its own directory: the session's modules render without it
+    module = build_module(config)
     assert "ROTATE_QUERY" in module.tq_decode_stage1.arg_names
     prepare = KernelRecorder(module.tq_prepare_query)
     monkeypatch.setattr(module, "tq_prepare_query", prepare)

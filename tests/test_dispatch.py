@@ -74,10 +74,13 @@ def fake_capabilities(monkeypatch, capabilities):
 
 
 def committed_buckets(config):
-    """The winners of tuned/NVIDIA_H200/<artifact>.json: {bucket: (block_kv, num_warps, num_stages, num_splits)},
-    with the query's rotation last where the tuner chose it."""
-    document = json.loads((REPO / "tuned" / "NVIDIA_H200" / f"{config.artifact_name()}.json").read_text())
-    return {key: tuned_files.baked_launch(entry["best"]) for key, entry in document["buckets"].items()}
+    """The GPU of the committed tuned/<GPU>/<artifact>.json (one GPU's per shipped config) and its winners:
+    {bucket: (block_kv, num_warps, num_stages, num_splits)}, with the query's rotation last where the tuner chose
+    it."""
+    (path,) = (REPO / "tuned").glob(f"*/{config.artifact_name()}.json")
+    document = json.loads(path.read_text())
+    winners = {key: tuned_files.baked_launch(entry["best"]) for key, entry in document["buckets"].items()}
+    return document["metadata"]["device_name"], winners
 
 
 # --------------------------------------------------------------------------
@@ -98,16 +101,16 @@ def test_auto_build_writes_every_arch_exactly_as_an_explicit_build(built, preset
 
 
 @pytest.mark.parametrize("preset", sorted(PLANES))
-def test_auto_module_carries_the_committed_h200_launches_and_picks_sm90_there(built, preset, fresh_import,
-                                                                                monkeypatch):
+def test_auto_module_carries_the_committed_launches_and_picks_sm90_on_hopper(built, preset, fresh_import,
+                                                                              monkeypatch):
     config = config_mod.load(PLANES[preset])
     tq = fresh_import(built[preset].path)
     asked = fake_capabilities(monkeypatch, {0: (9, 0), 1: (8, 0)})
     on_h200, on_a100 = tq.variant_for(torch.device("cuda", 0)), tq.variant_for("cuda:1")
     assert on_h200.CONFIG["arch"] == "sm90" and on_a100.CONFIG["arch"] == "sm80"
-    h200 = on_h200.TUNED_LAUNCHES["NVIDIA H200"]
-    assert h200["buckets"] == committed_buckets(dataclasses.replace(config, arch="sm90"))
-    assert len(h200["buckets"]) >= 4 and on_a100.TUNED_LAUNCHES == {}
+    device, winners = committed_buckets(dataclasses.replace(config, arch="sm90"))
+    assert on_h200.TUNED_LAUNCHES[device]["buckets"] == winners
+    assert len(winners) >= 4 and on_a100.TUNED_LAUNCHES == {}
     # The sm90 variant decodes on the Gluon stage 1; for fp8 keys only with the hardware converter (sm89+).
     assert hasattr(on_h200, "tq_decode_stage1_mma")
     assert hasattr(on_a100, "tq_decode_stage1_mma") == (preset != "k8v4")

@@ -20,9 +20,9 @@ Decisions, each with its reason:
   only 2-byte aligned: the copies start at the 4-byte word at or before each field and
   the reader shifts by 16 bits where the field starts mid-word (one byte permute per
   word); the norm correction is computed per tile (the slot holds the original norm).
-- `stage1_rotates_query`: "planes" MSE keys under the Hadamard rotation at head_dim 128
-  (the only one timed; "slots" too with the pending `slots_rotate_query`): stage 1 can rotate
-  the query itself at small batches, one launch fewer than tq_prepare_query.
+- `stage1_rotates_query`: MSE keys under the Hadamard rotation at head_dim 128 (the only one
+  timed), both layouts: stage 1 can rotate the query itself at small batches, one launch fewer
+  than tq_prepare_query.
 - `symmetric_key_lookup`: the Gluon stage 1 on 4-bit MSE keys carries a second codebook lookup
   for codebooks with c[15 - i] == -c[i] (the default Lloyd-Max levels, recognized by address): a
   table of the 8 magnitudes takes one byte permute per four codes where 16 entries take three.
@@ -53,22 +53,22 @@ MAX_NUM_WARPS = 32
 
 
 # Kernel changes that passed the GPU tests but change the decode hash of committed tuned files wait here until those
-# files are re-tuned on their GPU (an H200: docs/tuning.md, "Kernels waiting for a re-tune"), so that they are kept
-# and tested while no such GPU is lent. Every module renders without them unless TQGEN_PENDING_KERNELS names them
-# ("all", or names joined by commas): the GPU tests and the re-tune that lands them do.
+# files are re-tuned (docs/tuning.md, "Kernels waiting for a re-tune"), so that they are kept and tested meanwhile.
+# Every module renders without them unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the
+# GPU tests and the re-tune that lands them do.
 PENDING_KERNELS = {
-    "vector_partials": "every Gluon stage 1 stores its partials 16 bytes a lane, as decode_multi's does (nine "
-                       "sm90 files with a Gluon stage 1: head_dim 128 but k8v4 slots, and slots MSE at 64 and 256)",
-    "slots_rotate_query": "slots MSE keys under the Hadamard rotation at head_dim 128: stage 1 rotates the query "
-                          "itself up to _ROTATE_QUERY_MAX_BATCH sequences where the tuned bucket chose so, as planes "
-                          "does (the three sm90 slots MSE head_dim-128 files)",
+    "vector_partials": "every Gluon stage 1 stores its partials 16 bytes a lane, as decode_multi's does (waiting: "
+                       "the sm90 files of slots MSE at head_dim 64 and 256)",
 }
-# A pending kernel lands format by format, each in the commit that holds its re-tuned file (a re-tune of every file
+# A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
 # files spell them) render it without TQGEN_PENDING_KERNELS. Landing its last format removes its entries here and
-# above and its switch in the templates.
-PENDING_KERNELS_LANDED: dict[str, frozenset[str]] = {"vector_partials": frozenset(),
-                                                     "slots_rotate_query": frozenset()}
+# above and its switch in the templates. vector_partials landed for head_dim 128 on 2026-12-06 with H100 re-tunes
+# (tuned/NVIDIA_H100_80GB_HBM3; the H200 tables of the kernels before it are in docs/tuning-tables/).
+PENDING_KERNELS_LANDED: dict[str, frozenset[str]] = {
+    "vector_partials": frozenset({"k3v4-d128", "k4v4-d128", "k3v3-d128", "k3v4-d128-planes", "k4v4-d128-planes",
+                                  "k3v3-d128-planes", "k8v4-d128-planes"}),
+}
 # Formats a pending kernel leaves as they are, because it made them slower: vector_partials for k8v4 slots, whose
 # best large-batch launches (32-token tiles in the ring of 2) took 1.04-1.14x the time at 32 x 16384 and 8 x 8192
 # (H100, 2026-12-06, docs/limits.md "Small batches").
@@ -324,7 +324,7 @@ class Plan:
 
     @property
     def stage1_rotates_query(self) -> bool:
-        return self.hadamard_keys and self.D == 128 and (self.planes or self.renders("slots_rotate_query"))
+        return self.hadamard_keys and self.D == 128
 
     # --- the Gluon stage 1's query operand -------------------------------------------------
     def _mma_query_terms(self) -> list[tuple[int, int, int | None]]:
