@@ -148,11 +148,18 @@ def test_the_tune_step_retunes_the_stale_files_with_their_own_group_sizes(tmp_pa
 
 def test_the_tune_step_shortlists_12_launches_unless_told_otherwise(tmp_path):
     """TQGEN_TUNE_SHORTLIST sets how many of the stale file's fastest launches a bucket re-times; empty: every
-    candidate (tqgen tune without --shortlist)."""
+    candidate (tqgen tune without --shortlist). TQGEN_TUNE_SHORTLIST_FROM adds --shortlist-from to a shortlist."""
     _, calls = run_tune_step(tmp_path, "configs/k3v4-d128.yaml 4\\n", TQGEN_TUNE_SHORTLIST="6")
     assert calls == [f"configs/k3v4-d128.yaml {TUNE_FLAGS.replace('--shortlist 12', '--shortlist 6')} --group-size 4 "
                      f"--force"]
     _, calls = run_tune_step(tmp_path / "full", "configs/k3v4-d128.yaml 4\\n", TQGEN_TUNE_SHORTLIST="")
+    assert calls == [f"configs/k3v4-d128.yaml {TUNE_FLAGS.replace(' --shortlist 12', '')} --group-size 4 --force"]
+    # TQGEN_TUNE_SHORTLIST_FROM: another GPU's folder ranks the buckets the stale file lacks (only with a shortlist).
+    folder = "docs/tuning-tables/NVIDIA_H200"
+    _, calls = run_tune_step(tmp_path / "from", "configs/k3v4-d128.yaml 4\\n", TQGEN_TUNE_SHORTLIST_FROM=folder)
+    assert calls == [f"configs/k3v4-d128.yaml {TUNE_FLAGS} --shortlist-from {folder} --group-size 4 --force"]
+    _, calls = run_tune_step(tmp_path / "from-full", "configs/k3v4-d128.yaml 4\\n", TQGEN_TUNE_SHORTLIST="",
+                             TQGEN_TUNE_SHORTLIST_FROM=folder)
     assert calls == [f"configs/k3v4-d128.yaml {TUNE_FLAGS.replace(' --shortlist 12', '')} --group-size 4 --force"]
 
 

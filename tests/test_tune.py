@@ -503,6 +503,44 @@ def test_a_shortlisted_retune_resumes_from_the_file_it_set_aside(setup, tmp_path
     assert len(resumed["timings_us"]) == 1 and resumed["shortlist"]["from_kernel_hash"] == "0" * 64
 
 
+def test_a_shortlist_can_come_from_another_gpus_table_of_the_config(setup, tmp_path):
+    """--shortlist-from: a bucket this GPU's file never timed takes its shortlist from another GPU's table of the
+    config, and its entry names that GPU; one the file's own earlier tune timed keeps that tune's shortlist. A
+    table of another config, or a file that is not a tuned file, is refused in one line before any timing."""
+    _, module = setup
+    table_path, _ = run_tune(setup, tmp_path / "other")
+    table = json.loads(table_path.read_text())
+    table["metadata"].update(device_name="Other GPU", kernel_hash="1" * 64)
+    fastest = {}
+    for key, entry in table["buckets"].items():
+        ids = [tuned_files.candidate_id(launch) for launch in candidates(module, entry["shape"]["batch"])]
+        fastest[key] = ids[-1]
+        entry["timings_us"] = {name: 5.0 if name == ids[-1] else 50.0 for name in ids}
+    source = tmp_path / "other.json"
+    source.write_text(json.dumps(table))
+    mine, _ = run_tune(setup, tmp_path / "mine", buckets=BUCKETS[:1])  # this GPU's own tune of g2_b2_t256
+    def own_fastest(buckets):
+        timed = buckets["g2_b2_t256"]["timings_us"]
+        buckets["g2_b2_t256"]["timings_us"] = {name: 1.0 if name == fastest["g2_b2_t256"] else 2.0 for name in timed}
+
+    _staled(mine, own_fastest)
+    path, lines = run_tune(setup, tmp_path / "mine", force=True, shortlist_size=1, shortlist_from=source)
+    buckets = json.loads(path.read_text())["buckets"]
+    assert buckets["g2_b2_t256"]["shortlist"] == {"size": 1, "of": len(candidates(module, 2)),
+                                                  "from_kernel_hash": "0" * 64}
+    assert buckets["g2_b1_t256"]["shortlist"] == {"size": 1, "of": len(candidates(module, 1)),
+                                                  "from_kernel_hash": "1" * 64, "from_device": "Other GPU"}
+    assert list(buckets["g2_b1_t256"]["timings_us"]) == [fastest["g2_b1_t256"]]
+    table["metadata"]["config_hash"] = "2" * 64
+    source.write_text(json.dumps(table))
+    with pytest.raises(TqgenError, match=r"--shortlist-from .*other.json: tuned for another config"):
+        run_tune(setup, tmp_path / "third", shortlist_size=1, shortlist_from=source)
+    source.write_text("[1, 2]")
+    with pytest.raises(TqgenError, match=r"--shortlist-from .*other.json: cannot be read \(not a tuned file"):
+        run_tune(setup, tmp_path / "third", shortlist_size=1, shortlist_from=source)
+    assert not (tmp_path / "third").exists() or not any((tmp_path / "third").rglob("*.json"))
+
+
 def test_earlier_buckets_prefer_the_file_itself_and_skip_other_devices_and_damage(tmp_path):
     path = tmp_path / "Test_GPU" / "tq_x.json"
     path.parent.mkdir()

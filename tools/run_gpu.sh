@@ -9,6 +9,7 @@
 # head its file has (the planes files 1, 4, 8 and 16, the slots files 4; TQGEN_TUNE_GROUPS for all, and tqgen tune's
 # default 1, 4, 8 and 16 for a config named that has no file); TQGEN_TUNE_BATCHES limits the batches;
 # TQGEN_TUNE_SHORTLIST the launches a bucket re-times from the stale file (default 12; empty: every candidate);
+# TQGEN_TUNE_SHORTLIST_FROM a folder of another GPU's tuned files to shortlist the buckets this GPU's files lack;
 # docs/tuning.md), and packs
 # the tuned files written so far, with the stale files set aside, into OUT_DIR/tuned.tar every 20 s (`tar -xf
 # tuned.tar` in the checkout restores them; delete the NAME.json.replaced-TIME files before committing): a call
@@ -93,6 +94,7 @@ if [[ $steps == *tune* ]]; then
             2>/dev/null) || force=damaged
         python3 -m tqgen.cli tune "$config" --warps 1 --stages 1 2 --block-kv 32 64 \
             --rotate-query stage1 --merge-max-splits 32 ${shortlist:+--shortlist $shortlist} \
+            ${shortlist:+${TQGEN_TUNE_SHORTLIST_FROM:+--shortlist-from $TQGEN_TUNE_SHORTLIST_FROM}} \
             ${groups:+--group-size $groups} ${TQGEN_TUNE_BATCHES:+--batch $TQGEN_TUNE_BATCHES} \
             ${force:+--force} >> "$out/tune.log" 2>&1 < /dev/null &
         tuning=$!

@@ -335,6 +335,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         _require_positive("tune", {"--merge-max-splits": [args.merge_max_splits]})
     if args.shortlist is not None:
         _require_positive("tune", {"--shortlist": [args.shortlist]})
+    if args.shortlist_from is not None and args.shortlist is None:
+        raise TqgenError("tune: --shortlist-from ranks the launches of --shortlist K: give K too")
+    if args.shortlist_from is not None and not Path(args.shortlist_from).exists():
+        raise TqgenError(f"tune: --shortlist-from {args.shortlist_from}: no such file or folder")
     # Else a ZeroDivisionError, a negative tensor size or another bucket's shapes, once the first bucket is drawn.
     _require_positive("tune", {"--kv-heads": [args.kv_heads]})
     _require_positive("tune", {"--group-size": args.group_size})
@@ -353,7 +357,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             path = tuner.tune(config, module, buckets, space, root=root, fingerprint=fingerprint,
                              screen_timer=None if args.exhaustive else tuner.cuda_graph_screen_timer,
                              compile_workers=args.compile_workers, num_kv_heads=args.kv_heads, force=args.force,
-                             shortlist_size=args.shortlist, progress=lambda line: print("  " + line, flush=True))
+                             shortlist_size=args.shortlist,
+                             shortlist_from=_shortlist_table(args.shortlist_from, config),
+                             progress=lambda line: print("  " + line, flush=True))
         except TqgenError as exc:  # the next config is independent: tune it, fail at the end
             errors.append(str(exc))
             print(f"{config.name}: error after {time.monotonic() - started:.0f} s: {exc}", flush=True)
@@ -367,6 +373,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 # tqgen tune --rotate-query: the rotations timed where stage 1 can rotate the query (tuner.SearchSpace.rotate_query).
 _ROTATE_QUERY_WAYS = {"both": (True, False), "stage1": (True,)}
+
+
+def _shortlist_table(path: str | None, config) -> Path | None:
+    """The tuned file --shortlist-from names for a config of a resolved arch: the file itself, or the config's file
+    in that folder (None where it has none: then only the file's own earlier tunes shortlist)."""
+    if path is None or not Path(path).is_dir():
+        return None if path is None else Path(path)
+    table = Path(path) / f"{config.artifact_name()}.json"
+    return table if table.is_file() else None
 
 
 def _default_compile_workers() -> int:
@@ -443,6 +458,10 @@ def make_parser() -> argparse.ArgumentParser:
                            "file's earlier tune (the file, or the one --force kept as NAME.json.replaced-TIME) and "
                            "those it did not time; buckets it lacks time every candidate (default: every candidate; "
                            "docs/tuning.md)")
+    tune.add_argument("--shortlist-from", metavar="PATH",
+                      help="with --shortlist: buckets the file's own earlier tunes lack take their shortlist from this "
+                           "tuned file of another GPU, or from the config's file in this folder (e.g. "
+                           "tuned/NVIDIA_H200); the entry names that GPU")
     tune.add_argument("--kv-heads", type=int, default=8,
                       help="KV heads of the timed problems, query heads = G x this (default: %(default)s)")
     tune.add_argument("--force", action="store_true",

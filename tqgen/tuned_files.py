@@ -262,26 +262,52 @@ def set_aside_files(path: Path) -> list[Path]:
     return sorted(path.parent.glob(f"{glob.escape(path.name)}.replaced-*"))
 
 
+def _timed_buckets(source: Path) -> tuple[dict[str, Any], dict[str, tuple[dict[str, Any], str]]]:
+    """(metadata, bucket key -> (entry, the kernel_hash it was timed on)) of one tuned file, the buckets whose
+    timings are all numbers; raises ValueError (or OSError) for a file that cannot be read as one."""
+    try:
+        document = json.loads(source.read_text(encoding="utf-8"))
+        metadata, buckets = document["metadata"], dict(document["buckets"])
+        str(metadata["device_name"])
+    except (UnicodeDecodeError, LookupError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a tuned file ({type(exc).__name__})") from None
+    found = {}
+    for key, entry in buckets.items():
+        timings = entry.get("timings_us") if isinstance(entry, dict) else None
+        if isinstance(timings, dict) and all(type(us) in (int, float) for us in timings.values()):
+            found[key] = (entry, str(metadata.get("kernel_hash")))
+    return metadata, found
+
+
 def earlier_buckets(path: Path, device_name: str) -> dict[str, tuple[dict[str, Any], str]]:
     """Each bucket's timings from earlier tunes of this file, whatever kernel they were timed on: the file at `path`
     and the ones a `--force` re-tune kept beside it (NAME.json.replaced-TIME), the file itself first, then the most
     recently kept. Maps a bucket key to (its entry, the kernel_hash it was timed on); a file of another device, or
     one that cannot be read, adds nothing. What `tqgen tune --shortlist` ranks the candidates by."""
-    sources = set_aside_files(path) + [path]
     found: dict[str, tuple[dict[str, Any], str]] = {}
-    for source in sources:  # oldest first: a later file's entry replaces an earlier one's
+    for source in set_aside_files(path) + [path]:  # oldest first: a later file's entry replaces an earlier one's
         try:
-            document = json.loads(source.read_text(encoding="utf-8"))
-            metadata, buckets = document["metadata"], dict(document["buckets"])
-            if metadata["device_name"] != device_name:
-                continue
-        except (OSError, UnicodeDecodeError, ValueError, LookupError, TypeError, AttributeError):
+            metadata, timed = _timed_buckets(source)
+        except (OSError, ValueError):
             continue
-        for key, entry in buckets.items():
-            timings = entry.get("timings_us") if isinstance(entry, dict) else None
-            if isinstance(timings, dict) and all(type(us) in (int, float) for us in timings.values()):
-                found[key] = (entry, str(metadata.get("kernel_hash")))
+        if metadata["device_name"] == device_name:
+            found.update(timed)
     return found
+
+
+def table_buckets(source: Path, config: Config) -> tuple[str, dict[str, tuple[dict[str, Any], str]]]:
+    """Another tune's file of this config, of any GPU (`tqgen tune --shortlist-from`): (its device name, bucket key
+    -> (entry, kernel_hash)) as earlier_buckets gives them. Refuses (TqgenError, one line) a file that cannot be read
+    or was tuned for another config."""
+    try:
+        metadata, found = _timed_buckets(source)
+    except (OSError, ValueError) as exc:
+        reason = write_failure_reason(exc) if isinstance(exc, OSError) else str(exc)
+        raise TqgenError(f"--shortlist-from {source}: cannot be read ({reason})") from None
+    if metadata.get("config_hash") != config.hash():
+        raise TqgenError(f"--shortlist-from {source}: tuned for another config (config_hash "
+                         f"{str(metadata.get('config_hash'))[:12]}, {config.name}'s is {config.hash()[:12]})")
+    return str(metadata["device_name"]), found
 
 
 def save_bucket(path: Path, metadata: dict[str, Any], key: str, entry: dict[str, Any]) -> None:

@@ -339,16 +339,16 @@ def precompile(module: ModuleType, config: Config, shapes, space: SearchSpace, *
 def _bucket_launches(module: ModuleType, space: SearchSpace, todo: dict, earlier: dict,
                      shortlist_size: int | None) -> tuple[dict, dict]:
     """(launches_of, shortlisted) for the buckets `todo` (key -> shape): each shape's candidates, its shortlist where
-    an earlier tune timed the bucket (`earlier`: tuned_files.earlier_buckets), and per shortlisted key the record
-    its entry keeps."""
+    an earlier tune timed the bucket (`earlier`: key -> (entry, what the record says of its source)), and per
+    shortlisted key the record its entry keeps."""
     launches_of, shortlisted = {}, {}
     for key, shape in todo.items():
         launches = bucket_candidates(module, space, shape[1])
         if key in earlier:
-            entry, kernel_hash = earlier[key]
+            entry, source = earlier[key]
             chosen = shortlist(launches, entry, shortlist_size)
             if len(chosen) < len(launches):
-                shortlisted[key] = {"size": shortlist_size, "of": len(launches), "from_kernel_hash": kernel_hash}
+                shortlisted[key] = {"size": shortlist_size, "of": len(launches), **source}
             launches = chosen
         launches_of[shape] = launches
     return launches_of, shortlisted
@@ -357,12 +357,15 @@ def _bucket_launches(module: ModuleType, space: SearchSpace, todo: dict, earlier
 def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]], space: SearchSpace, *,
          root: Path, fingerprint: dict, timer: Callable = cuda_graph_timer, screen_timer: Callable | None = None,
          num_kv_heads: int = 8, device="cuda", force: bool = False, compile_workers: int = 1,
-         shortlist_size: int | None = None, progress: Callable[[str], None] = print) -> Path:
+         shortlist_size: int | None = None, shortlist_from: Path | None = None,
+         progress: Callable[[str], None] = print) -> Path:
     """Tune the buckets not yet in the file (all with force=True); returns the tuned file's path.
 
     screen_timer: see tune_bucket. compile_workers > 1 compiles the candidates' kernels in that many
     processes first (precompile; CUDA devices only). shortlist_size: a bucket that an earlier tune of the file
-    timed (tuned_files.earlier_buckets) times only its shortlist (shortlist), and its entry says so (`shortlist`).
+    timed (tuned_files.earlier_buckets) times only its shortlist (shortlist), and its entry says so (`shortlist`);
+    shortlist_from: a tuned file of this config from another GPU (or setup) whose timings shortlist the buckets
+    the file's own earlier tunes lack (its entry's `shortlist` then names that GPU, `from_device`).
 
     A file that is corrupt or tuned for another setup (kernel, triton, device) is refused,
     or with force=True renamed to NAME.json.replaced-TIME (tuned_files.set_aside_unusable) and re-tuned.
@@ -375,7 +378,12 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
     path = tuned_files.tuned_path(root, metadata["device_name"], config)
     tuned_files.check_writable(path)  # else the first bucket's minutes of timing end in an error saving it
     # Read before a --force sets the file aside (earlier_buckets reads the files set aside too).
-    earlier = tuned_files.earlier_buckets(path, metadata["device_name"]) if shortlist_size else {}
+    earlier = {key: (entry, {"from_kernel_hash": kernel_hash}) for key, (entry, kernel_hash)
+               in (tuned_files.earlier_buckets(path, metadata["device_name"]) if shortlist_size else {}).items()}
+    if shortlist_size and shortlist_from is not None:
+        device_name, table = tuned_files.table_buckets(shortlist_from, config)
+        for key, (entry, kernel_hash) in table.items():
+            earlier.setdefault(key, (entry, {"from_kernel_hash": kernel_hash, "from_device": device_name}))
     if shortlist_size and not earlier:
         progress(f"no earlier tune of {path.name} to shortlist from: every candidate is timed")
     try:
