@@ -61,7 +61,9 @@ def rule_costs(module, table: dict, tile: int, warps: int, stages: int, group_si
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
-    parser.add_argument("--device", default="NVIDIA_H200", help="the folder of tuned/ to read")
+    parser.add_argument("--device", default="NVIDIA_H200",
+                        help="the GPU folder to read: tuned/DEVICE, else docs/tuning-tables/DEVICE (tables of kernels "
+                             "since re-tuned on another GPU)")
     parser.add_argument("--group-size", type=int, default=4, help="the query heads per KV head of the buckets fitted")
     parser.add_argument("--tile", type=int, default=32)
     parser.add_argument("--warps", type=int, default=1)
@@ -73,9 +75,14 @@ def main() -> None:
     from tqgen import config as config_mod
 
     config = config_mod.resolve_arch(config_mod.load(args.config), (9, 0))
-    path = Path(__file__).resolve().parent.parent / "tuned" / args.device / f"{config.artifact_name()}.json"
-    if not path.is_file():
-        raise SystemExit(f"fit_split_rule: no tuned file {path}")
+    repo = Path(__file__).resolve().parent.parent
+    folders = (repo / "tuned" / args.device, repo / "docs" / "tuning-tables" / args.device)
+    found = [folder / f"{config.artifact_name()}.json" for folder in folders
+             if (folder / f"{config.artifact_name()}.json").is_file()]
+    if not found:
+        raise SystemExit(f"fit_split_rule: no tuned file {config.artifact_name()}.json in "
+                         f"{' or '.join(str(folder) for folder in folders)}")
+    path = found[0]
     module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-fit-"))
     results = rule_costs(module, json.loads(path.read_text()), args.tile, args.warps, args.stages, args.group_size)
     if not results:
