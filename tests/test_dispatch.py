@@ -1,9 +1,9 @@
 """arch auto: `tqgen build` writes one module per known arch and a dispatcher, on any machine.
 
 The build here runs without a GPU, like a CPU CI pipeline: the module it writes must still carry the
-H200 tuning and pick the sm90 variant on an H200. Devices are faked where a GPU is needed to pick a
-variant (torch.cuda.get_device_capability); the kernels run on CPU tensors in the interpreter, and on
-the GPU in the test marked gpu.
+committed Hopper tuning (tuned/) and pick the sm90 variant on a Hopper GPU. Devices are faked
+where a GPU is needed to pick a variant (torch.cuda.get_device_capability); the kernels run on CPU
+tensors in the interpreter, and on the GPU in the test marked gpu.
 """
 
 import dataclasses
@@ -74,13 +74,14 @@ def fake_capabilities(monkeypatch, capabilities):
 
 
 def committed_buckets(config):
-    """The GPU of the committed tuned/<GPU>/<artifact>.json (one GPU's per shipped config) and its winners:
-    {bucket: (block_kv, num_warps, num_stages, num_splits)}, with the query's rotation last where the tuner chose
-    it."""
-    (path,) = (REPO / "tuned").glob(f"*/{config.artifact_name()}.json")
-    document = json.loads(path.read_text())
-    winners = {key: tuned_files.baked_launch(entry["best"]) for key, entry in document["buckets"].items()}
-    return document["metadata"]["device_name"], winners
+    """The winners of each committed tuned/<GPU>/<artifact>.json, by the GPU it names: {device name: {bucket:
+    (block_kv, num_warps, num_stages, num_splits)}}, with the query's rotation last where the tuner chose it."""
+    winners = {}
+    for path in (REPO / "tuned").glob(f"*/{config.artifact_name()}.json"):
+        document = json.loads(path.read_text())
+        winners[document["metadata"]["device_name"]] = {key: tuned_files.baked_launch(entry["best"])
+                                                        for key, entry in document["buckets"].items()}
+    return winners
 
 
 # --------------------------------------------------------------------------
@@ -108,9 +109,10 @@ def test_auto_module_carries_the_committed_launches_and_picks_sm90_on_hopper(bui
     asked = fake_capabilities(monkeypatch, {0: (9, 0), 1: (8, 0)})
     on_h200, on_a100 = tq.variant_for(torch.device("cuda", 0)), tq.variant_for("cuda:1")
     assert on_h200.CONFIG["arch"] == "sm90" and on_a100.CONFIG["arch"] == "sm80"
-    device, winners = committed_buckets(dataclasses.replace(config, arch="sm90"))
-    assert on_h200.TUNED_LAUNCHES[device]["buckets"] == winners
-    assert len(winners) >= 4 and on_a100.TUNED_LAUNCHES == {}
+    committed = committed_buckets(dataclasses.replace(config, arch="sm90"))
+    baked = {device: launches["buckets"] for device, launches in on_h200.TUNED_LAUNCHES.items()}
+    assert committed and baked == committed
+    assert all(len(winners) >= 4 for winners in committed.values()) and on_a100.TUNED_LAUNCHES == {}
     # The sm90 variant decodes on the Gluon stage 1; for fp8 keys only with the hardware converter (sm89+).
     assert hasattr(on_h200, "tq_decode_stage1_mma")
     assert hasattr(on_a100, "tq_decode_stage1_mma") == (preset != "k8v4")

@@ -519,13 +519,17 @@ def test_a_shortlist_can_come_from_another_gpus_table_of_the_config(setup, tmp_p
     source = tmp_path / "other.json"
     source.write_text(json.dumps(table))
     mine, _ = run_tune(setup, tmp_path / "mine", buckets=BUCKETS[:1])  # this GPU's own tune of g2_b2_t256
+    own = tuned_files.candidate_id(candidates(module, 2)[0])  # not the other GPU's fastest there
+    assert own != fastest["g2_b2_t256"]
+
     def own_fastest(buckets):
         timed = buckets["g2_b2_t256"]["timings_us"]
-        buckets["g2_b2_t256"]["timings_us"] = {name: 1.0 if name == fastest["g2_b2_t256"] else 2.0 for name in timed}
+        buckets["g2_b2_t256"]["timings_us"] = {name: 1.0 if name == own else 2.0 for name in timed}
 
     _staled(mine, own_fastest)
     path, lines = run_tune(setup, tmp_path / "mine", force=True, shortlist_size=1, shortlist_from=source)
     buckets = json.loads(path.read_text())["buckets"]
+    assert list(buckets["g2_b2_t256"]["timings_us"]) == [own]
     assert buckets["g2_b2_t256"]["shortlist"] == {"size": 1, "of": len(candidates(module, 2)),
                                                   "from_kernel_hash": "0" * 64}
     assert buckets["g2_b1_t256"]["shortlist"] == {"size": 1, "of": len(candidates(module, 1)),
@@ -533,11 +537,14 @@ def test_a_shortlist_can_come_from_another_gpus_table_of_the_config(setup, tmp_p
     assert list(buckets["g2_b1_t256"]["timings_us"]) == [fastest["g2_b1_t256"]]
     table["metadata"]["config_hash"] = "2" * 64
     source.write_text(json.dumps(table))
-    with pytest.raises(TqgenError, match=r"--shortlist-from .*other.json: tuned for another config"):
+    with pytest.raises(TqgenError, match=r"--shortlist-from .*other.json: tuned for another config") as refused:
         run_tune(setup, tmp_path / "third", shortlist_size=1, shortlist_from=source)
+    assert "\n" not in str(refused.value)
     source.write_text("[1, 2]")
-    with pytest.raises(TqgenError, match=r"--shortlist-from .*other.json: cannot be read \(not a tuned file"):
+    unreadable = r"--shortlist-from .*other.json: cannot be read \(not a tuned file"
+    with pytest.raises(TqgenError, match=unreadable) as refused:
         run_tune(setup, tmp_path / "third", shortlist_size=1, shortlist_from=source)
+    assert "\n" not in str(refused.value)
     assert not (tmp_path / "third").exists() or not any((tmp_path / "third").rglob("*.json"))
 
 
@@ -647,16 +654,23 @@ def test_launch_choice_takes_a_device_string_like_the_rest_of_the_api(monkeypatc
 H200_TABLES = (REPO / "tuned" / "NVIDIA_H200", REPO / "docs" / "tuning-tables" / "NVIDIA_H200")
 
 
+def _h200_table_paths():
+    """Each config's H200 table: the file in tuned/ where there is one, else its copy in docs/tuning-tables/."""
+    paths = {}
+    for folder in H200_TABLES:  # tuned/ first
+        for path in sorted(folder.glob("tq_*.json")):
+            paths.setdefault(path.name, path)
+    return paths
+
+
 def _h200_table(config):
-    """The H200 timing table of an sm90 config (a committed file, or one kept in docs/tuning-tables/)."""
-    (path,) = [folder / f"{config.artifact_name()}.json" for folder in H200_TABLES
-               if (folder / f"{config.artifact_name()}.json").is_file()]
-    return json.loads(path.read_text())
+    """The H200 timing table of an sm90 config (_h200_table_paths)."""
+    return json.loads(_h200_table_paths()[f"{config.artifact_name()}.json"].read_text())
 
 
 def _timing_tables(planes):
     """(file stem, bucket bounds, entry) of every H200 bucket of one cache layout (H200_TABLES)."""
-    for path in sorted(path for folder in H200_TABLES for path in folder.glob("tq_*.json")):
+    for path in sorted(_h200_table_paths().values(), key=lambda path: path.name):
         if ("_planes_" in path.stem) != planes:
             continue
         document = json.loads(path.read_text())
@@ -697,7 +711,7 @@ def _geomean(ratios):
 
 
 def test_heuristic_is_close_to_the_measured_best_on_the_h200(setup, tmp_path):
-    """The heuristic's pick, looked up in the committed H200 timing tables (every candidate of every
+    """The heuristic's pick, looked up in the H200 timing tables (H200_TABLES) (every candidate of every
     bucket of every shipped "slots" config), against each bucket's best: the numbers README.md quotes.
     Each table is read with a module of its key format: fp8 keys as tuned, on sm90's Gluon kernel."""
     _, mse_module = setup  # head_dim 64: the tl.dot kernel's rule
@@ -731,7 +745,7 @@ def test_the_split_rule_fit_costs_the_shipped_slots_mse_rule(tmp_path):
 
 def _h200_planes_module_and_tables(preset, group_size, tmp_path):
     """A planes module of `preset` deciding launches as on the H200 its tables were timed on (the Gluon kernel,
-    132 SMs), and the committed H200 tables of `group_size` query heads per KV head for it."""
+    132 SMs), and the H200 tables of `group_size` query heads per KV head for it."""
     module = emit.load(make_config(preset, cache_layout="planes", arch="sm90"), tmp_path)
     module._mma_stage1_ready = lambda device: True
     module._sm_count = lambda device: 132
@@ -761,14 +775,14 @@ def test_planes_heuristic_is_close_to_the_measured_best_on_the_h200(tmp_path, pr
     assert _geomean(ratios) < geomean and max(ratios) < worst
 
 
-# The 8-head rule's cost per preset on the committed H200 tables (geometric mean, worst) and heuristic_launch's.
+# The 8-head rule's cost per preset on the H200 tables (geometric mean, worst) and heuristic_launch's.
 EIGHT_HEAD_RULE_COSTS = {"k4v4": (1.02, 1.15), "k3v4": (1.02, 1.15), "k3v3": (1.02, 1.15), "k8v4": (1.02, 1.12)}
 
 
 @pytest.mark.parametrize("preset", sorted(EIGHT_HEAD_RULE_COSTS))
 def test_eight_heads_per_kv_head_take_their_own_rule_close_to_the_measured_best(tmp_path, preset):
     """5-8 query heads per KV head (the Gluon kernel's 8 columns all heads) take _mma_full_columns_launch in the
-    planes configs; its picks, looked up in the committed H200 tables of 8 heads per KV head (all 28 buckets),
+    planes configs; its picks, looked up in the H200 tables of 8 heads per KV head (all 28 buckets),
     cost at most 1.02x the best per bucket on geometric mean and 1.15x at worst (k4v4 1.013x and 1.07x, k3v4
     1.008x and 1.07x, k3v3 1.016x and 1.08x, k8v4 1.014x and 1.11x), where heuristic_launch (fitted to 4 heads)
     cost 1.04-1.07x and 1.28-1.39x."""
@@ -792,7 +806,7 @@ def test_eight_heads_per_kv_head_take_their_own_rule_close_to_the_measured_best(
 @pytest.mark.parametrize("preset", ["k4v4", "k3v4", "k3v3"])
 def test_one_head_per_kv_head_takes_its_own_rule_close_to_the_measured_best(tmp_path, preset):
     """One query head per KV head (MHA) takes _mma_one_head_launch in the MSE planes configs; its picks, looked up in
-    the committed H200 tables of 1 head per KV head (all 28 buckets), cost at most 1.02x the best per bucket on
+    the H200 tables of 1 head per KV head (all 28 buckets), cost at most 1.02x the best per bucket on
     geometric mean and 1.2x at worst (2026-12-04: 1.015-1.018x, 1.12-1.20x), where heuristic_launch (fitted to
     4 heads) cost 1.035-1.039x."""
     module, tables = _h200_planes_module_and_tables(preset, 1, tmp_path)
@@ -808,7 +822,7 @@ def test_one_head_per_kv_head_takes_its_own_rule_close_to_the_measured_best(tmp_
 @pytest.mark.parametrize("preset", ["k4v4", "k3v4", "k3v3"])
 def test_sixteen_heads_per_kv_head_take_the_wide_launch_of_their_own_splits(tmp_path, preset):
     """9-16 query heads per KV head take _mma_wide_launch from _mma_wide_heads_splits in the MSE planes configs;
-    where the committed H200 tables of 16 heads per KV head timed the launch it gives (16 of 28 buckets: the
+    where the H200 tables of 16 heads per KV head timed the launch it gives (16 of 28 buckets: the
     others take the one-wave cap's 1-49 splits), it costs at most 1.02x the best per bucket on geometric mean
     and 1.12x at worst (2026-12-04: 1.009-1.013x and 1.07-1.10x), where starting from heuristic_launch's splits
     (fitted to 4 heads per KV head) cost 1.12x and 1.69x."""

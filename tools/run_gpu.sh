@@ -94,7 +94,7 @@ if [[ $steps == *tune* ]]; then
             2>/dev/null) || force=damaged
         python3 -m tqgen.cli tune "$config" --warps 1 --stages 1 2 --block-kv 32 64 \
             --rotate-query stage1 --merge-max-splits 32 ${shortlist:+--shortlist $shortlist} \
-            ${shortlist:+${TQGEN_TUNE_SHORTLIST_FROM:+--shortlist-from $TQGEN_TUNE_SHORTLIST_FROM}} \
+            ${shortlist:+${TQGEN_TUNE_SHORTLIST_FROM:+--shortlist-from "$TQGEN_TUNE_SHORTLIST_FROM"}} \
             ${groups:+--group-size $groups} ${TQGEN_TUNE_BATCHES:+--batch $TQGEN_TUNE_BATCHES} \
             ${force:+--force} >> "$out/tune.log" 2>&1 < /dev/null &
         tuning=$!

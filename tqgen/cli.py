@@ -349,6 +349,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     errors = []
     for config in (emit.as_config(c) for c in configs):
         started = time.monotonic()
+        table = _shortlist_table(args.shortlist_from, config)
+        if args.shortlist_from is not None and table is None:
+            print(f"{config.name}: no {config.artifact_name()}.json in {args.shortlist_from} to shortlist from",
+                  flush=True)
         try:
             module = emit.load(config, args.cache_dir, tuned_dir=root)
             print(f"{config.name}: {len(buckets)} buckets x {len(space.candidates())} launches ("
@@ -357,8 +361,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             path = tuner.tune(config, module, buckets, space, root=root, fingerprint=fingerprint,
                              screen_timer=None if args.exhaustive else tuner.cuda_graph_screen_timer,
                              compile_workers=args.compile_workers, num_kv_heads=args.kv_heads, force=args.force,
-                             shortlist_size=args.shortlist,
-                             shortlist_from=_shortlist_table(args.shortlist_from, config),
+                             shortlist_size=args.shortlist, shortlist_from=table,
                              progress=lambda line: print("  " + line, flush=True))
         except TqgenError as exc:  # the next config is independent: tune it, fail at the end
             errors.append(str(exc))
@@ -461,7 +464,7 @@ def make_parser() -> argparse.ArgumentParser:
     tune.add_argument("--shortlist-from", metavar="PATH",
                       help="with --shortlist: buckets the file's own earlier tunes lack take their shortlist from this "
                            "tuned file of another GPU, or from the config's file in this folder (e.g. "
-                           "tuned/NVIDIA_H200); the entry names that GPU")
+                           "docs/tuning-tables/NVIDIA_H200); the entry names that GPU")
     tune.add_argument("--kv-heads", type=int, default=8,
                       help="KV heads of the timed problems, query heads = G x this (default: %(default)s)")
     tune.add_argument("--force", action="store_true",

@@ -263,8 +263,8 @@ def set_aside_files(path: Path) -> list[Path]:
 
 
 def _timed_buckets(source: Path) -> tuple[dict[str, Any], dict[str, tuple[dict[str, Any], str]]]:
-    """(metadata, bucket key -> (entry, the kernel_hash it was timed on)) of one tuned file, the buckets whose
-    timings are all numbers; raises ValueError (or OSError) for a file that cannot be read as one."""
+    """(metadata, bucket key -> (entry, the kernel_hash it was timed on)) of one tuned file, the buckets that timed
+    some launch, every timing a number; raises ValueError (or OSError) for a file that cannot be read as one."""
     try:
         document = json.loads(source.read_text(encoding="utf-8"))
         metadata, buckets = document["metadata"], dict(document["buckets"])
@@ -274,7 +274,7 @@ def _timed_buckets(source: Path) -> tuple[dict[str, Any], dict[str, tuple[dict[s
     found = {}
     for key, entry in buckets.items():
         timings = entry.get("timings_us") if isinstance(entry, dict) else None
-        if isinstance(timings, dict) and all(type(us) in (int, float) for us in timings.values()):
+        if isinstance(timings, dict) and timings and all(type(us) in (int, float) for us in timings.values()):
             found[key] = (entry, str(metadata.get("kernel_hash")))
     return metadata, found
 
