@@ -406,8 +406,9 @@ def test_a_damaged_tuned_file_is_reported_and_ignored_by_build_and_show(tmp_path
     ("--warps", ["1", "3"]), ("--warps", ["64"]), ("--block-kv", ["48"]), ("--block-kv", ["16"]),
     # No launch would merge in stage 1: say so rather than time stage 2 alone as if asked.
     ("--merge-max-splits", ["0"]),
-    # A shortlist of no launch would time nothing.
-    ("--shortlist", ["0"])])
+    # A shortlist of no launch would time nothing; a table to shortlist from ranks nothing without K, or is not there.
+    ("--shortlist", ["0"]), ("--shortlist-from", ["tuned"]),
+    ("--shortlist-from", ["no/such/folder", "--shortlist", "4"])])
 def test_tune_refuses_bad_shapes_and_launches_with_one_line_before_tuning(tmp_path, monkeypatch, capsys, option,
                                                                          values):
     from tqgen import cli
