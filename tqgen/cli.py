@@ -381,8 +381,10 @@ _ROTATE_QUERY_WAYS = {"both": (True, False), "stage1": (True,)}
 def _shortlist_table(path: str | None, config) -> Path | None:
     """The tuned file --shortlist-from names for a config of a resolved arch: the file itself, or the config's file
     in that folder (None where it has none: then only the file's own earlier tunes shortlist)."""
-    if path is None or not Path(path).is_dir():
-        return None if path is None else Path(path)
+    if path is None:
+        return None
+    if not Path(path).is_dir():
+        return Path(path)
     table = Path(path) / f"{config.artifact_name()}.json"
     return table if table.is_file() else None
 

@@ -378,8 +378,11 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
     path = tuned_files.tuned_path(root, metadata["device_name"], config)
     tuned_files.check_writable(path)  # else the first bucket's minutes of timing end in an error saving it
     # Read before a --force sets the file aside (earlier_buckets reads the files set aside too).
-    earlier = {key: (entry, {"from_kernel_hash": kernel_hash}) for key, (entry, kernel_hash)
-               in (tuned_files.earlier_buckets(path, metadata["device_name"]) if shortlist_size else {}).items()}
+    # Each bucket's earlier entry and what its `shortlist` record says of it: this GPU's own tunes first.
+    earlier = {}
+    if shortlist_size:
+        for key, (entry, kernel_hash) in tuned_files.earlier_buckets(path, metadata["device_name"]).items():
+            earlier[key] = (entry, {"from_kernel_hash": kernel_hash})
     if shortlist_size and shortlist_from is not None:
         device_name, table = tuned_files.table_buckets(shortlist_from, config)
         for key, (entry, kernel_hash) in table.items():
