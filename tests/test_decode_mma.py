@@ -21,8 +21,8 @@ from conftest import (HAS_CUDA, PRESETS, KernelRecorder, check_decode, codebook_
 from tqgen import config as config_mod, reference, render, tuner
 from tqgen.errors import TqgenError
 from tqgen.layout import Layout
-from tqgen.plan import (EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS, PENDING_KERNELS, PENDING_KERNELS_LANDED,
-                        PENDING_KERNELS_SLOWER, Plan)
+from tqgen import plan as plan_mod
+from tqgen.plan import EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS, Plan
 from tqgen.testing import DECODE_TOLERANCE, as_position_major, relative_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,50 +85,50 @@ def test_which_configs_get_the_kernel(fields, expected):
 
 
 def test_pending_kernels_are_named_by_the_environment_and_unknown_names_are_refused(monkeypatch):
+    """TQGEN_PENDING_KERNELS names kernels waiting for a re-tune (none waits now: a stand-in one here)."""
+    monkeypatch.setattr(plan_mod, "PENDING_KERNELS", {"waiting_kernel": "a stand-in", "other_kernel": "another"})
     config = make_config("k3v4", cache_layout="planes", arch="sm90")
-    for setting, expected in (("", set()), ("all", set(PENDING_KERNELS)), ("1", set(PENDING_KERNELS)),
-                              (" vector_partials , ", {"vector_partials"})):
+    for setting, expected in (("", set()), ("all", {"waiting_kernel", "other_kernel"}),
+                              ("1", {"waiting_kernel", "other_kernel"}), (" waiting_kernel , ", {"waiting_kernel"})):
         monkeypatch.setenv("TQGEN_PENDING_KERNELS", setting)
         assert Plan.from_config(config).pending == expected
-    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "vector_partials,no_such")
-    with pytest.raises(TqgenError, match="TQGEN_PENDING_KERNELS names no_such: expected 'all' or some of"):
+    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "waiting_kernel,no_such")
+    with pytest.raises(TqgenError, match="TQGEN_PENDING_KERNELS names no_such: expected 'all' or some of "
+                                         "waiting_kernel, other_kernel"):
         Plan.from_config(config)
     assert Plan.from_config(config, pending=frozenset()).pending == frozenset()  # an explicit choice wins
-    # vector_partials: decode's Gluon kernels store 16 bytes a lane too (decode_multi's always does) where it
-    # landed, and with the variable set elsewhere (slots MSE at head_dim 64, which waits for its re-tune).
-    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "")
-    assert "k3v4-d128-planes" in PENDING_KERNELS_LANDED["vector_partials"]
-    assert render.render(config).count("VECTOR_PARTIALS: gl.constexpr") == 3
-    waiting = make_config("k4v4", head_dim=64, arch="sm90")
-    assert Plan.from_config(waiting).stage1_format not in PENDING_KERNELS_LANDED["vector_partials"]
-    shipped = render.render(waiting).count("VECTOR_PARTIALS: gl.constexpr")
-    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "vector_partials")
-    assert shipped == 1 and render.render(waiting).count("VECTOR_PARTIALS: gl.constexpr") == 3
     with pytest.raises(ValueError, match="pending kernels no_such: expected some of"):
         Plan.from_config(config, pending=frozenset({"no_such"}))
 
 
-def test_pending_kernels_land_format_by_format():
-    """Plan.stage1_format spells each shipped config's format as its file does, so PENDING_KERNELS_LANDED and
-    PENDING_KERNELS_SLOWER name shipped formats only; a landed format renders its kernel without the variable, a
-    slower one never, the others only with it (where the kernel applies: vector_partials to every Gluon stage 1).
-    Stage 1 rotates the query itself for MSE keys under the Hadamard rotation at head_dim 128, both layouts (the
-    slots formats since their H100 re-tune, 2026-12-06)."""
+def test_pending_kernels_land_format_by_format(monkeypatch):
+    """A pending kernel renders where TQGEN_PENDING_KERNELS names it or where it landed (PENDING_KERNELS_LANDED,
+    formats as the config files spell them: Plan.stage1_format), never where it was slower."""
+    monkeypatch.setattr(plan_mod, "PENDING_KERNELS", {"waiting_kernel": "a stand-in"})
+    monkeypatch.setattr(plan_mod, "PENDING_KERNELS_LANDED", {"waiting_kernel": frozenset({"k3v4-d128-planes"})})
+    monkeypatch.setattr(plan_mod, "PENDING_KERNELS_SLOWER", {"waiting_kernel": frozenset({"k8v4-d128"})})
     shipped = {path.stem: Plan.from_config(config_mod.resolve_arch(config_mod.load(path), (9, 0)), pending=frozenset())
                for path in sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))}
     assert all(plan.stage1_format == name for name, plan in shipped.items())
-    assert set(PENDING_KERNELS_LANDED) | set(PENDING_KERNELS_SLOWER) <= set(PENDING_KERNELS)
-    for kernel in PENDING_KERNELS:
-        landed = PENDING_KERNELS_LANDED.get(kernel, frozenset())
-        slower = PENDING_KERNELS_SLOWER.get(kernel, frozenset())
-        assert landed | slower <= {name for name, plan in shipped.items() if plan.mma_stage1} and not landed & slower
-        for name, plan in shipped.items():
-            with_pending = Plan.from_config(plan.config, pending=frozenset({kernel}))
-            assert plan.renders(kernel) == (name in landed)
-            assert with_pending.renders(kernel) == (name not in slower)
     for name, plan in shipped.items():
+        assert plan.renders("waiting_kernel") == (name == "k3v4-d128-planes")
+        assert Plan.from_config(plan.config, pending=frozenset({"waiting_kernel"})).renders("waiting_kernel") == (
+            name != "k8v4-d128")
+
+
+def test_stage1_kernel_choices_per_format():
+    """Stage 1 rotates the query itself for MSE keys under the Hadamard rotation at head_dim 128, both layouts;
+    the Gluon stage 1 stores its partials 16 bytes a lane (VECTOR_PARTIALS, in decode's, the merging and
+    decode_multi's kernels) in every format but slots with fp8 keys, which it made slower (there only
+    decode_multi's kernel does)."""
+    for path in sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml")):
+        config = config_mod.resolve_arch(config_mod.load(path), (9, 0))
+        plan = Plan.from_config(config, pending=frozenset())
         assert plan.stage1_rotates_query == (plan.hadamard_keys and plan.D == 128)
-        assert plan.stage1_vector_partials == plan.renders("vector_partials")
+        assert plan.stage1_vector_partials == (path.stem != "k8v4-d128")
+        if plan.mma_stage1:
+            assert render.render(config).count("VECTOR_PARTIALS: gl.constexpr") == (
+                3 if plan.stage1_vector_partials else 1), path.stem
 
 
 # --- the tile layouts -----------------------------------------------------------
@@ -223,6 +223,10 @@ COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correct
     ("k8v4", 128, 2, 32, 4, True, 2, False, "slots-head-major"), ("k3v4", 128, 2, 32, 4, True, 2, False,
                                                                   "slots-position-major"),
     ("k4v4", 128, 4, 32, 4, True, 3, False, "slots-head-major"),
+    # slots rotating the query in the kernel (MSE keys), and fp8 keys position-major at group 1
+    ("k3v4", 128, 16, 32, 4, True, 2, True, "slots-head-major"), ("k3v3", 128, 16, 32, 8, True, 2, True,
+                                                                  "slots-position-major"),
+    ("k8v4", 128, 16, 64, 1, True, 1, False, "slots-position-major"),
 ]
 
 
@@ -260,27 +264,11 @@ for preset, head_dim, page, block_kv, group_size, norm_correction, stages, *rest
 """
 
 
-# The kernels that wait for a re-tune (plan.PENDING_KERNELS), compiled with TQGEN_PENDING_KERNELS=all.
-PENDING_COMPILE_CASES = [("k3v4", 128, 16, 32, 4, True, 2), ("k3v3", 128, 16, 64, 16, True, 1),
-                         ("k4v4", 128, 16, 32, 4, True, 2, False, "slots-head-major"),
-                         ("k8v4", 128, 16, 64, 1, True, 1, False, "slots-position-major"),
-                         ("k3v4", 128, 16, 32, 4, True, 2, True, "slots-head-major"),
-                         ("k3v3", 128, 16, 32, 8, True, 2, True, "slots-position-major")]
-
-
 @pytest.fixture(scope="module")
 def compiled_cases():
     reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps([PRESETS, COMPILE_CASES]), timeout=600)
     assert len(reports) == len(COMPILE_CASES)
     return dict(zip(COMPILE_CASES, reports))
-
-
-@pytest.fixture(scope="module")
-def compiled_pending_cases():
-    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps([PRESETS, PENDING_COMPILE_CASES]), timeout=600,
-                                      environment={"TQGEN_PENDING_KERNELS": "all"})
-    assert len(reports) == len(PENDING_COMPILE_CASES)
-    return dict(zip(PENDING_COMPILE_CASES, reports))
 
 
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda case: "-".join(map(str, case)))
@@ -293,16 +281,10 @@ def test_every_launch_compiles_for_sm90(compiled_cases, case):
     the bytes a tile's tokens use, copied by cp.async as wide as each plane's alignment allows (16 bytes for
     every plane at head_dim 128 and 256; 4 bytes in slots, where fp8 keys' slots and fields are 4-byte aligned,
     in either dim order of the cache); slots with MSE keys copy the words that hold each field, a few more."""
-    _check_compiled_case(case, compiled_cases[case], frozenset())
+    _check_compiled_case(case, compiled_cases[case])
 
 
-@pytest.mark.parametrize("case", PENDING_COMPILE_CASES, ids=lambda case: "-".join(map(str, case)))
-def test_pending_launches_compile_for_sm90(compiled_pending_cases, case):
-    """As test_every_launch_compiles_for_sm90, for the kernels that wait for a re-tune (plan.PENDING_KERNELS)."""
-    _check_compiled_case(case, compiled_pending_cases[case], frozenset(PENDING_KERNELS))
-
-
-def _check_compiled_case(case, report, pending):
+def _check_compiled_case(case, report):
     preset, head_dim, page, block_kv, group_size, norm_correction, stages, rotate, layout = case_fields(case)
     columns = max(8, 1 << (group_size - 1).bit_length()) // 8
     key_mmas = (block_kv // 16) * (head_dim // 16) * columns
@@ -311,8 +293,7 @@ def _check_compiled_case(case, report, pending):
     # A 16-bit query rotated in the kernel (these compile an fp16 one): one MMA per 16 head dims and 8 columns.
     rotation_mmas = (head_dim // 16) * columns if rotate else 0
     assert report["mma"] == key_mmas * (2 if halfword_slots and norm_correction else 1) + value_mmas + rotation_mmas
-    plan = Plan.from_config(mma_config(preset, head_dim, block_size=page, cache_layout=layout.split("-")[0]),
-                            pending=pending)
+    plan = Plan.from_config(mma_config(preset, head_dim, block_size=page, cache_layout=layout.split("-")[0]))
     if rotate:  # the rotated query goes to the MMA's operand layout through shared memory
         assert report["shared_ops"] > 0 and report["shared_bytes"] > 0
     if stages == 1:
@@ -1071,7 +1052,7 @@ def test_mma_decode_replays_in_a_cuda_graph(build_module, monkeypatch, preset, n
 def test_stage1_variants_render_only_when_asked_and_only_for_the_gluon_kernel_with_mse_keys():
     config = make_config("k3v4", cache_layout="planes", arch="sm90")
     assert render.render(config) == render.render(config, stage1_variant="shipped")
-    for variant in ("load_only", "compute_only", "extra_alu", "extra_fma", "vector_partials"):
+    for variant in ("load_only", "compute_only", "extra_alu", "extra_fma"):
         source = render.render(config, stage1_variant=variant)
         assert "EXPERIMENT" in source and source != render.render(config)
     assert "EXPERIMENT" not in render.render(config)
@@ -1080,7 +1061,7 @@ def test_stage1_variants_render_only_when_asked_and_only_for_the_gluon_kernel_wi
             render.render(refused, stage1_variant="load_only")
     with pytest.raises(ValueError, match="expected one of shipped, load_only, compute_only"):
         render.render(config, stage1_variant="no_such")
-    for removed in ("pair_table", "split_warps2", "prefetch_next"):  # measured, lost, removed (plan.py)
+    for removed in ("pair_table", "split_warps2", "prefetch_next", "vector_partials"):  # lost, or landed
         with pytest.raises(ValueError, match=f"stage1_variant '{removed}': expected one of"):
             render.render(config, stage1_variant=removed)
 
@@ -1102,8 +1083,8 @@ for variant, module in stage1_variants.variant_modules(config, tempfile.mkdtemp(
 def test_stage1_variants_compile_and_keep_what_they_claim():
     """load_only keeps every load of the shipped loop and no MMA; compute_only every MMA and only the loads
     before the loop (offline sm90 compiles, in a process without the interpreter); extra_alu / extra_fma add
-    exactly their instructions; vector_partials stores out^T 16 bytes at a time (8 stores a lane for 128 head
-    dims x 8 columns), as the shipped kernel of this format does since it landed there."""
+    exactly their instructions. The shipped kernel stores out^T 16 bytes at a time (8 stores a lane for 128 head
+    dims x 8 columns), and every variant keeps that store."""
     report = {row["variant"]: row for row in offline_compile_reports("-c", _VARIANT_SCRIPT, timeout=600)}
     assert report["shipped"]["mma"] == report["compute_only"]["mma"] > 0 and report["load_only"]["mma"] == 0
     loop_loads = report["shipped"]["loads"] - report["compute_only"]["loads"]  # compute_only: the prologue's only
@@ -1115,8 +1096,7 @@ def test_stage1_variants_compile_and_keep_what_they_claim():
         assert report[variant][kind] == report["shipped"][kind] + added
         assert {key: report[variant][key] for key in ("mma", "loads", "permutes", other)} == {
             key: report["shipped"][key] for key in ("mma", "loads", "permutes", other)}
-    assert report["vector_partials"]["vector_stores"] == 8 == report["shipped"]["vector_stores"]
-    assert report["vector_partials"]["mma"] == report["shipped"]["mma"]
+    assert all(row["vector_stores"] == 8 for row in report.values())
 
 
 def test_pipe_rates_kernels_issue_what_they_are_named_for():

@@ -15,9 +15,6 @@ plan.STAGE1_VARIANTS), not by editing rendered text:
                 chains), all lop3 (the integer pipe) or all fp32 fma (the FMA pipes): the same count either way, so
                 the two times say which pipe the kernel's time follows, and each against shipped what one more
                 instruction per tile costs;
-- vector_partials (right results): the partials stored 16 bytes at a time (out^T's rows put in head-dim order
-                first) instead of 32 scalar stores a lane, each behind a branch on the head mask (what the shipped
-                kernel does where the pending kernel of that name landed: plan.PENDING_KERNELS_LANDED).
 (Variants measured, lost and removed: plan.py names them; their code is at commit 627aebf.)
 Each is timed as a whole decode call (CUDA-graph replay, the shipped launch of the shape, the same random
 cache), with the copy ceiling measured in the same run: load_only and compute_only with their words loaded

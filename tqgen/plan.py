@@ -56,23 +56,14 @@ MAX_NUM_WARPS = 32
 # files are re-tuned (docs/tuning.md, "Kernels waiting for a re-tune"), so that they are kept and tested meanwhile.
 # Every module renders without them unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the
 # GPU tests and the re-tune that lands them do.
-PENDING_KERNELS = {
-    "vector_partials": "every Gluon stage 1 stores its partials 16 bytes a lane, as decode_multi's does (waiting: "
-                       "the sm90 files of slots MSE at head_dim 64 and 256)",
-}
+PENDING_KERNELS: dict[str, str] = {}  # name -> what it changes; none waits now (docs/tuning.md)
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
 # files spell them) render it without TQGEN_PENDING_KERNELS. Landing its last format removes its entries here and
-# above and its switch in the templates. vector_partials landed for head_dim 128 on 2026-12-06 with H100 re-tunes
-# (tuned/NVIDIA_H100_80GB_HBM3; the H200 tables of the kernels before it are in docs/tuning-tables/).
-PENDING_KERNELS_LANDED: dict[str, frozenset[str]] = {
-    "vector_partials": frozenset({"k3v4-d128", "k4v4-d128", "k3v3-d128", "k3v4-d128-planes", "k4v4-d128-planes",
-                                  "k3v3-d128-planes", "k8v4-d128-planes"}),
-}
-# Formats a pending kernel leaves as they are, because it made them slower: vector_partials for k8v4 slots, whose
-# best large-batch launches (32-token tiles in the ring of 2) took 1.04-1.14x the time at 32 x 16384 and 8 x 8192
-# (H100, 2026-12-06, docs/limits.md "Small batches").
-PENDING_KERNELS_SLOWER: dict[str, frozenset[str]] = {"vector_partials": frozenset({"k8v4-d128"})}
+# above and its switch in the templates.
+PENDING_KERNELS_LANDED: dict[str, frozenset[str]] = {}
+# Formats a pending kernel leaves as they are, because it made them slower.
+PENDING_KERNELS_SLOWER: dict[str, frozenset[str]] = {}
 
 
 def pending_kernels_from_environment() -> frozenset[str]:
@@ -104,11 +95,11 @@ def next_power_of_two(n: int) -> int:
 # in the loop (its words are made from the addresses, in registers). "extra_alu" and "extra_fma" add 80 independent
 # instructions per tile on the integer pipe (lop3) or the FMA pipe (ffma) to the shipped kernel, whose results
 # reach the output: how much a tile's time grows with each pipe's load tells which one the kernel waits on.
-# "vector_partials" stores the partials 16 bytes a lane, as decode_multi's kernel does. Modules render "shipped".
+# Modules render "shipped".
 # Experiments that were measured, lost and were removed (docs/limits.md has their numbers; their code is at commit
 # 627aebf): "pair_table" / "pair_table16" (key lookups from a table of fp16 pairs in shared memory), "split_warpsN"
 # (N one-warp workers a CTA, merged in shared memory) and "prefetch_next" (block ids a tile ahead, L2 prefetches).
-STAGE1_VARIANTS = ("shipped", "load_only", "compute_only", "extra_alu", "extra_fma", "vector_partials")
+STAGE1_VARIANTS = ("shipped", "load_only", "compute_only", "extra_alu", "extra_fma")
 # Instructions per tile that the extra_alu / extra_fma variants add (4 independent chains of 20).
 EXTRA_WORK_CHAINS, EXTRA_WORK_STEPS = 4, 20
 
@@ -319,8 +310,11 @@ class Plan:
 
     @property
     def stage1_vector_partials(self) -> bool:
-        """Whether the Gluon stage 1 stores its partials 16 bytes a lane (decode_multi's always does)."""
-        return self.renders("vector_partials")
+        """Whether the Gluon stage 1 stores its partials 16 bytes a lane, after a reorder through shared memory
+        (decode_multi's always does): every format but slots with fp8 keys, whose best large-batch launches it made
+        1.04-1.14x slower (H100, 2026-12-06, docs/limits.md "Small batches"); at 1 x 4096 it took 22-30% off the
+        others' calls."""
+        return not (self.layout.key_fp8 and not self.layout.planes)
 
     @property
     def stage1_rotates_query(self) -> bool:
