@@ -10,6 +10,7 @@ import torch
 
 from conftest import (DEVICES, HAS_CUDA, KernelRecorder, codebook_kwargs, make_config, offline_compile_reports,
                       replays_of_a_capture, stored_cache)
+import tqgen
 from tqgen import reference, render
 from tqgen.layout import Layout
 from tqgen.testing import DECODE_TOLERANCE, relative_error
@@ -413,25 +414,61 @@ def test_decode_multi_launches_the_wide_launch_unless_given_one(build_module, mo
     assert splits(workspace=module.DecodeWorkspace(2, 8, 2, "cpu", max_q_len=4)) == (2, 32, 2)
 
 
+@pytest.mark.parametrize("layout", ["planes", "slots"])
+@pytest.mark.parametrize("dtype,own_rotation,rotated", [(torch.float16, True, True), (torch.bfloat16, True, True),
+                                                        (torch.float32, True, False), (torch.float16, False, False)])
+def test_decode_multi_rotates_a_16_bit_query_in_stage_1(tmp_path, monkeypatch, layout, dtype, own_rotation,
+                                                         rotated):
+    """With the pending kernel multi_rotate_query, the Gluon kernel of decode_multi rotates a 16-bit query under
+    the config's own Hadamard rotation itself (ROTATE_QUERY, reading the caller's query: no tq_prepare_query, and
+    launched in stream order as the call's first kernel, as decode's does); an fp32 query, or a rotation of the
+    caller's, goes through tq_prepare_query first, and stage 1 waits for it (a dependent launch). Without it,
+    every query goes through tq_prepare_query."""
+    config = make_config("k3v4", cache_layout=layout)
+    shipped = tqgen.load(config, tmp_path / "shipped")
+    assert "ROTATE_QUERY" not in shipped._multi_mma_constants(32, 4, 3, True, 2)
+    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "multi_rotate_query")
+    module = tqgen.load(config, tmp_path / "pending")
+    monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)  # a GPU that can, on any machine
+    monkeypatch.setattr(module, "_dependent_launch", lambda device: True)
+    mma, prepare = KernelRecorder(), KernelRecorder()
+    monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", mma)
+    monkeypatch.setattr(module, "tq_decode_stage2", KernelRecorder())
+    monkeypatch.setattr(module, "tq_prepare_query", prepare)
+    batch, cache, query, kwargs = multi_inputs(module, config, [40], "cpu", 3, dtype=dtype)  # batch 1: dependent
+    if not own_rotation:
+        kwargs["rotation"] = kwargs["rotation"].clone()  # the same values, not the config's tensor
+    module.decode_multi(query, cache, batch.block_table, batch.seq_lens, block_kv=32, num_stages=2, **kwargs)
+    (_, args, launch), = mma.launches
+    assert launch["ROTATE_QUERY"] == rotated and len(prepare.launches) == (0 if rotated else 1)
+    assert (args[0] is query) == rotated and launch["launch_pdl"] == (not rotated)
+
+
 _COMPILE_SCRIPT = """
 import json, os, sys, dataclasses, tempfile
 sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
 import ptx_probe, tqgen
 from tqgen import config as config_mod
 folder = tempfile.mkdtemp(prefix="tqgen-multi-mma-")
-for stem, q_len, group_size, block_kv, stages in json.loads(sys.argv[1]):
+for stem, q_len, group_size, block_kv, stages, *rotate in json.loads(sys.argv[1]):
     config = dataclasses.replace(config_mod.load(f"configs/{stem}.yaml"), arch="sm90")
+    # The query rotated in stage 1 is the pending kernel multi_rotate_query: rendered only where named.
+    os.environ["TQGEN_PENDING_KERNELS"] = "multi_rotate_query" if rotate else ""
     compiled = ptx_probe.compile_multi_stage1_mma(tqgen.load(config, folder), block_kv, group_size, q_len,
-                                                  stages=stages)
+                                                  stages=stages, rotate_query=bool(rotate))
     ptx = compiled.asm["ptx"]
     print(json.dumps(dict(mma=ptx.count("mma.sync.aligned.m16n8k16"), shared_bytes=compiled.metadata.shared,
                           vector_stores=ptx.count("st.global.v4"))))
 """
-COMPILE_CASES = [  # (config stem, q_len, group_size, block_kv, stages)
+COMPILE_CASES = [  # (config stem, q_len, group_size, block_kv, stages[, the query rotated in stage 1])
     ("k3v4-d128-planes", 4, 4, 32, 2), ("k3v4-d128-planes", 2, 4, 64, 1), ("k3v3-d128-planes", 3, 4, 32, 2),
     ("k4v4-d128-planes", 8, 1, 64, 2), ("k8v4-d128-planes", 2, 8, 32, 1), ("k8v4-d128-planes", 4, 4, 64, 2),
     ("k3v4-d128-planes", 8, 4, 32, 2), ("k8v4-d128", 4, 4, 32, 2), ("k8v4-d128", 2, 8, 64, 1),  # slots: fp8 keys
     ("k3v4-d128", 4, 4, 32, 2), ("k4v4-d128", 2, 8, 64, 3), ("k3v3-d128", 3, 4, 32, 2),  # slots: MSE keys (ring)
+    # the caller's fp16 query rotated in stage 1 (MSE keys under the Hadamard rotation, head_dim 128; the pending
+    # kernel multi_rotate_query)
+    ("k3v4-d128-planes", 4, 4, 32, 2, True), ("k4v4-d128-planes", 2, 4, 64, 1, True), ("k3v3-d128", 3, 4, 32, 2, True),
+    ("k4v4-d128", 8, 1, 32, 2, True),
 ]
 
 
@@ -442,14 +479,19 @@ def test_the_gluon_multi_token_kernel_compiles_for_sm90():
     partials stored 16 bytes at a time (4 head dims of a column a lane: one store a column)."""
     reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(COMPILE_CASES), timeout=600)
     assert len(reports) == len(COMPILE_CASES)
-    for (stem, q_len, group_size, block_kv, stages), report in zip(COMPILE_CASES, reports):
+    for (stem, q_len, group_size, block_kv, stages, *rotate), report in zip(COMPILE_CASES, reports):
         columns = min(q_len, 16 // group_size) * group_size  # the tokens of one program (8 x 4: two programs)
         column_blocks = max(8, 1 << (columns - 1).bit_length()) // 8
         # MSE keys in slots: one product more, the squared centroids of the norm correction
         products = 3 if stem in ("k3v4-d128", "k4v4-d128", "k3v3-d128") else 2
-        assert report["mma"] == products * (block_kv // 16) * (128 // 16) * column_blocks, (stem, q_len, group_size)
-        # Without a ring, shared memory holds only the partials' reorder to head-dim order (512 bytes at a time).
-        assert (report["shared_bytes"] > 512) == (stages > 1), (stem, q_len, group_size, report["shared_bytes"])
+        # The query rotated in the kernel: one MMA more per 16 head dims and 8 columns (_mma_hadamard_query).
+        rotation_mmas = (128 // 16) * column_blocks if rotate else 0
+        assert report["mma"] == products * (block_kv // 16) * (128 // 16) * column_blocks + rotation_mmas, (
+            stem, q_len, group_size)
+        # Without a ring, shared memory holds only the partials' reorder to head-dim order (512 bytes at a time)
+        # and, rotating the query, the rotated query on its way to the MMA's operand layout.
+        if not rotate:
+            assert (report["shared_bytes"] > 512) == (stages > 1), (stem, q_len, group_size, report["shared_bytes"])
         assert report["vector_stores"] == 8 * column_blocks, (stem, q_len, group_size)
 
 

@@ -126,13 +126,15 @@ def compile_stage1_mma(module, block_kv: int, group_size: int = 4, dependent_lau
 
 
 def compile_multi_stage1_mma(module, block_kv: int, group_size: int, q_len: int, dependent_launch: bool = False,
-                             stages: int = 1, head_major: bool = True):
+                             stages: int = 1, head_major: bool = True, rotate_query: bool = False):
     """The Gluon stage 1 of decode_multi (tq_decode_multi_stage1_mma) with the constants decode_multi gives it:
     the query tokens that fit in 16 MMA columns (query tokens x heads) per program; head_major as
-    compile_stage1_mma's."""
+    compile_stage1_mma's; rotate_query the specialization that rotates the caller's fp16 query itself (MSE
+    keys under the config's Hadamard rotation at head_dim 128)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    constants = module._multi_mma_constants(block_kv, group_size, q_len, dependent_launch, stages)
+    extra = {"rotate_query": True} if rotate_query else {}
+    constants = module._multi_mma_constants(block_kv, group_size, q_len, dependent_launch, stages, **extra)
     cache_constants, aligned = _slots_cache_specialization(module, head_major)
     options = dict(module._mma_stage1_options(block_kv, constants["TOKENS_PER_PROGRAM"] * group_size))
     return _compile_sm90(module.tq_decode_multi_stage1_mma, {**constants, **cache_constants}, POINTER_TYPES, aligned,
