@@ -425,6 +425,7 @@ def test_decode_multi_rotates_a_16_bit_query_in_stage_1(tmp_path, monkeypatch, l
     caller's, goes through tq_prepare_query first, and stage 1 waits for it (a dependent launch). Without it,
     every query goes through tq_prepare_query."""
     config = make_config("k3v4", cache_layout=layout)
+    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "")
     shipped = tqgen.load(config, tmp_path / "shipped")
     assert "ROTATE_QUERY" not in shipped._multi_mma_constants(32, 4, 3, True, 2)
     monkeypatch.setenv("TQGEN_PENDING_KERNELS", "multi_rotate_query")
