@@ -18,6 +18,7 @@ import torch
 import triton
 
 from conftest import INTERPRET, KernelRecorder, check_decode, make_config
+import fit_split_rule  # tools/ (pyproject.toml: pythonpath)
 from tqgen import config as config_mod, emit, render, tuned_files, tuner
 from tqgen.buckets import bucket_bounds, bucket_key, default_buckets
 from tqgen.errors import TqgenError
@@ -651,7 +652,7 @@ def test_launch_choice_takes_a_device_string_like_the_rest_of_the_api(monkeypatc
 
 # The H200 timing tables the heuristic rules were fitted to: the committed files, and those of formats whose decode
 # kernels changed since, re-tuned on an H100 (docs/tuning-tables/README.md).
-H200_TABLES = (REPO / "tuned" / "NVIDIA_H200", REPO / "docs" / "tuning-tables" / "NVIDIA_H200")
+H200_TABLES = fit_split_rule.table_folders("NVIDIA_H200")
 
 
 def _h200_table_paths():
@@ -733,8 +734,6 @@ def test_the_split_rule_fit_costs_the_shipped_slots_mse_rule(tmp_path):
     2): the heuristic's own split rule (8 programs per SM, a split per 1024 tokens, one per 64 at most, at most 16
     from the SM count) is among the rules whose picks were all timed, within 1% of the best it finds, and every
     rule costs at least the table's best (ratios >= 1)."""
-    import fit_split_rule  # tools/
-
     config = config_mod.resolve_arch(config_mod.load(REPO / "configs" / "k3v4-d128.yaml"), (9, 0))
     table = _h200_table(config)
     results = fit_split_rule.rule_costs(emit.load(config, tmp_path), table, tile=32, warps=1, stages=2)

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = Path(__file__).resolve().parent.parent
 
 GRID = dict(programs_per_sm=(4, 8, 16, 32), tokens_per_split=(512, 1024, 2048, 4096),
             min_split_tokens=(32, 64, 128, 256), cap=(0, 8, 16, 32))
@@ -58,6 +59,12 @@ def rule_costs(module, table: dict, tile: int, warps: int, stages: int, group_si
     return sorted(results)
 
 
+def table_folders(device: str) -> tuple[Path, Path]:
+    """Where one GPU's timing tables are, in the order to read them: tuned/DEVICE (the files builds bake), then
+    docs/tuning-tables/DEVICE (tables of kernels since re-tuned on another GPU)."""
+    return REPO / "tuned" / device, REPO / "docs" / "tuning-tables" / device
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
@@ -75,10 +82,8 @@ def main() -> None:
     from tqgen import config as config_mod
 
     config = config_mod.resolve_arch(config_mod.load(args.config), (9, 0))
-    repo = Path(__file__).resolve().parent.parent
-    folders = (repo / "tuned" / args.device, repo / "docs" / "tuning-tables" / args.device)
-    found = [folder / f"{config.artifact_name()}.json" for folder in folders
-             if (folder / f"{config.artifact_name()}.json").is_file()]
+    folders = table_folders(args.device)
+    found = [path for path in (folder / f"{config.artifact_name()}.json" for folder in folders) if path.is_file()]
     if not found:
         raise SystemExit(f"fit_split_rule: no tuned file {config.artifact_name()}.json in "
                          f"{' or '.join(str(folder) for folder in folders)}")
