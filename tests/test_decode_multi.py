@@ -419,17 +419,12 @@ def test_decode_multi_launches_the_wide_launch_unless_given_one(build_module, mo
                                                         (torch.float32, True, False), (torch.float16, False, False)])
 def test_decode_multi_rotates_a_16_bit_query_in_stage_1(tmp_path, monkeypatch, layout, dtype, own_rotation,
                                                          rotated):
-    """With the pending kernel multi_rotate_query, the Gluon kernel of decode_multi rotates a 16-bit query under
-    the config's own Hadamard rotation itself (ROTATE_QUERY, reading the caller's query: no tq_prepare_query, and
-    launched in stream order as the call's first kernel, as decode's does); an fp32 query, or a rotation of the
-    caller's, goes through tq_prepare_query first, and stage 1 waits for it (a dependent launch). Without it,
-    every query goes through tq_prepare_query."""
+    """The Gluon kernel of decode_multi rotates a 16-bit query under the config's own Hadamard rotation itself
+    (ROTATE_QUERY, reading the caller's query: no tq_prepare_query, and launched in stream order as the call's
+    first kernel, as decode's does); an fp32 query, or a rotation of the caller's, goes through tq_prepare_query
+    first, and stage 1 waits for it (a dependent launch)."""
     config = make_config("k3v4", cache_layout=layout)
-    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "")
-    shipped = tqgen.load(config, tmp_path / "shipped")
-    assert "ROTATE_QUERY" not in shipped._multi_mma_constants(32, 4, 3, True, 2)
-    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "multi_rotate_query")
-    module = tqgen.load(config, tmp_path / "pending")
+    module = tqgen.load(config, tmp_path)
     monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)  # a GPU that can, on any machine
     monkeypatch.setattr(module, "_dependent_launch", lambda device: True)
     mma, prepare = KernelRecorder(), KernelRecorder()
@@ -453,8 +448,6 @@ from tqgen import config as config_mod
 folder = tempfile.mkdtemp(prefix="tqgen-multi-mma-")
 for stem, q_len, group_size, block_kv, stages, *rotate in json.loads(sys.argv[1]):
     config = dataclasses.replace(config_mod.load(f"configs/{stem}.yaml"), arch="sm90")
-    # The query rotated in stage 1 is the pending kernel multi_rotate_query: rendered only where named.
-    os.environ["TQGEN_PENDING_KERNELS"] = "multi_rotate_query" if rotate else ""
     compiled = ptx_probe.compile_multi_stage1_mma(tqgen.load(config, folder), block_kv, group_size, q_len,
                                                   stages=stages, rotate_query=bool(rotate))
     ptx = compiled.asm["ptx"]
@@ -466,8 +459,7 @@ COMPILE_CASES = [  # (config stem, q_len, group_size, block_kv, stages[, the que
     ("k4v4-d128-planes", 8, 1, 64, 2), ("k8v4-d128-planes", 2, 8, 32, 1), ("k8v4-d128-planes", 4, 4, 64, 2),
     ("k3v4-d128-planes", 8, 4, 32, 2), ("k8v4-d128", 4, 4, 32, 2), ("k8v4-d128", 2, 8, 64, 1),  # slots: fp8 keys
     ("k3v4-d128", 4, 4, 32, 2), ("k4v4-d128", 2, 8, 64, 3), ("k3v3-d128", 3, 4, 32, 2),  # slots: MSE keys (ring)
-    # the caller's fp16 query rotated in stage 1 (MSE keys under the Hadamard rotation, head_dim 128; the pending
-    # kernel multi_rotate_query)
+    # the caller's fp16 query rotated in stage 1 (MSE keys under the Hadamard rotation, head_dim 128)
     ("k3v4-d128-planes", 4, 4, 32, 2, True), ("k4v4-d128-planes", 2, 4, 64, 1, True), ("k3v3-d128", 3, 4, 32, 2, True),
     ("k4v4-d128", 8, 1, 32, 2, True),
 ]

@@ -57,11 +57,7 @@ MAX_NUM_WARPS = 32
 # "Kernels waiting for a re-tune"), so that they are kept and tested meanwhile. Every module renders without them
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
-PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
-    "multi_rotate_query": "decode_multi's Gluon stage 1 rotates a 16-bit query itself, as decode's does, instead of "
-                          "tq_prepare_query first (waiting: its first GPU run; outside the decode hash, so no tuned "
-                          "file waits for it)",
-}
+PENDING_KERNELS: dict[str, str] = {}  # name -> what it changes (docs/tuning.md)
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
 # files spell them) render it without TQGEN_PENDING_KERNELS. Landing its last format removes its entries here and
@@ -324,11 +320,6 @@ class Plan:
     @property
     def stage1_rotates_query(self) -> bool:
         return self.hadamard_keys and self.D == 128
-
-    @property
-    def multi_rotates_query(self) -> bool:
-        """Whether decode_multi's Gluon stage 1 can rotate the caller's query itself (ROTATE_QUERY)."""
-        return self.stage1_rotates_query and self.renders("multi_rotate_query")
 
     # --- the Gluon stage 1's query operand -------------------------------------------------
     def _mma_query_terms(self) -> list[tuple[int, int, int | None]]:
