@@ -70,7 +70,7 @@ def test_decode_multi_matches_the_reference_in_the_other_layouts(device, build_m
     check_decode_multi(build_module(config), config, device, [q_len, 14 + q_len], q_len, block_kv=32, num_splits=2)
 
 
-@pytest.mark.parametrize("group_size,q_len,num_kv_heads", [(1, 4, 2), (6, 3, 1), (16, 8, 1)])
+@pytest.mark.parametrize("group_size,q_len,num_kv_heads", [(1, 4, 2), (6, 3, 1), (8, 2, 1), (16, 8, 1)])
 def test_decode_multi_group_sizes(device, build_module, group_size, q_len, num_kv_heads):
     """6 heads pad the dot's rows (3 x 6 = 18 of 32); 16 heads x 8 tokens exceed a program's 64 rows, so
     two programs take 4 tokens each and the first stops at its last token's limit."""
@@ -438,6 +438,35 @@ def test_decode_multi_rotates_a_16_bit_query_in_stage_1(tmp_path, monkeypatch, l
     (_, args, launch), = mma.launches
     assert launch["ROTATE_QUERY"] == rotated and len(prepare.launches) == (0 if rotated else 1)
     assert (args[0] is query) == rotated and launch["launch_pdl"] == (not rotated)
+
+
+@pytest.mark.parametrize("q_len,capped_when_wide", [(2, False), (4, True)])
+def test_decode_multi_drops_the_register_cap_where_its_grid_is_one_wave(tmp_path, monkeypatch, q_len,
+                                                                         capped_when_wide):
+    """decode_multi's Gluon kernel of more than 8 columns (4 query tokens x 4 heads) compiles under decode's
+    register cap for as many heads only where its grid exceeds what the GPU holds at 255 registers
+    (_one_wave_programs): in one wave the cap's occupancy buys nothing. At 8 columns (q_len 2) decode's options
+    hold either way."""
+    config = make_config("k3v4", cache_layout="planes")
+    module = tqgen.load(config, tmp_path)
+    monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)  # a GPU that can, on any machine
+    mma = KernelRecorder()
+    monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", mma)
+    monkeypatch.setattr(module, "tq_decode_stage2", KernelRecorder())
+    batch, cache, query, kwargs = multi_inputs(module, config, [40, 70, 33], "cpu", q_len, dtype=torch.float16)
+    programs = 3 * 2 * 2  # sequences x KV heads x splits, one block of query tokens each
+    wide_cap = module._mma_stage1_options(32, 16).get("maxnreg")
+    assert wide_cap is not None  # the premise: decode caps its 16-head kernel
+    for one_wave_programs, one_wave in [(programs, True), (programs - 1, False)]:
+        monkeypatch.setattr(module, "_one_wave_programs", lambda device, count=one_wave_programs: count)
+        module.decode_multi(query, cache, batch.block_table, batch.seq_lens, block_kv=32, num_stages=2,
+                            num_splits=2, **kwargs)
+        grid, _, launch = mma.launches[-1]
+        assert grid == (3, 2, 2)
+        want = module._mma_stage1_options(32, q_len * 4).get("maxnreg")
+        if capped_when_wide and one_wave:
+            want = None
+        assert launch.get("maxnreg") == want
 
 
 _COMPILE_SCRIPT = """

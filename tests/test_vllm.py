@@ -519,43 +519,76 @@ def test_a_rotated_query_of_its_own_outlives_the_views_of_its_buffer(monkeypatch
 
 # vLLM launches the qgroup4 variant for MSE keys only.
 DEQUANTIZE_LAUNCHES = [("_tq_full_dequant_kv", "turboquant_4bit_nc"), ("_tq_full_dequant_kv", "turboquant_k8v4"),
-                       ("_tq_full_dequant_kv_qgroup4", "turboquant_k3v4_nc")]
+                       ("_tq_full_dequant_kv_qgroup4", "turboquant_k3v4_nc"),
+                       ("_tq_full_dequant_kv_qgroup4", "turboquant_3bit_nc")]
+DEQUANTIZE_FIELDS = "launch,cache_dtype,head_dim,block_size,order,source"
+DEQUANTIZE_CPU_CASES = (
+    [(launch, preset, 128, 16, "head_major", "store") for launch, preset in DEQUANTIZE_LAUNCHES[:3]]
+    + [("_tq_full_dequant_kv", "turboquant_3bit_nc", 96, 32, "position_major", "format.md"),
+       ("_tq_full_dequant_kv", "turboquant_k8v4", 64, 64, "position_major", "format.md")])
+DEQUANTIZE_GPU_CASES = (
+    [(launch, preset, d, 16, order, source) for launch, preset in DEQUANTIZE_LAUNCHES for d in (64, 96, 128, 256)
+     for order in ("head_major", "position_major") for source in ("store", "format.md")]
+    + [(launch, preset, 128, b, "head_major", "store") for launch, preset in DEQUANTIZE_LAUNCHES for b in (32, 64, 128)])
+DEQUANTIZE_CASES = (
+    [pytest.param("cpu", *case, marks=CPU, id="cpu-" + "-".join(map(str, case))) for case in DEQUANTIZE_CPU_CASES]
+    + [pytest.param("cuda", *case, marks=GPU, id="cuda-" + "-".join(map(str, case))) for case in DEQUANTIZE_GPU_CASES])
 
 
-@pytest.mark.parametrize("launch,cache_dtype", DEQUANTIZE_LAUNCHES)
-def test_continuation_prefill_dequantize_launch(device, launch, cache_dtype):
+@pytest.mark.parametrize("device," + DEQUANTIZE_FIELDS, DEQUANTIZE_CASES)
+def test_continuation_prefill_dequantize_launch(device, launch, cache_dtype, head_dim, block_size, order, source):
     """vLLM's continuation prefill: `kernel[(alloc_len, Hk)](...)` into fp16 [1, Hk, alloc_len, D] buffers
-    with the backend's arguments, then keys @ Pi: the reference's dequantized keys and values."""
-    head_dim, block_size, cached_len = 128, 16, 21
-    p = stored_problem(cache_dtype, head_dim, device, seq_lens=(cached_len,))
-    arguments, num_kv_heads = p.arguments, p.cache.shape[2]
+    with the backend's arguments, then keys @ Pi: the reference's dequantized keys and values, on a cache the
+    drop-in store wrote or one built byte by byte from docs/format.md, in either position order (head_dim 96
+    under a caller's random orthogonal Pi and its own centroids)."""
+    cached_len = block_size + 5  # past a page boundary
+    arguments = vllm.preset_arguments(cache_dtype, head_dim)
+    key_fp8, num_kv_heads = arguments["key_fp8"], 2
+    pi, centroids = codebook_of(cache_dtype, head_dim, "random" if head_dim == 96 else "hadamard")
+    pit = pi.t().contiguous()
+    key, value, block_table, _, slot_mapping, num_blocks = ragged_batch(block_size, num_kv_heads, head_dim,
+                                                                        [cached_len], key_fp8)
+    slot_bytes = vllm.slot_size_aligned(cache_dtype, head_dim)
+    cache = vllm_cache(num_blocks, block_size, num_kv_heads, slot_bytes, order, device)
+    if source == "store":
+        vllm.triton_turboquant_store(
+            key.to(device), value.to(device), cache, slot_mapping.to(device), pit.to(device),
+            ((centroids[:-1] + centroids[1:]) / 2).to(device), arguments["mse_bits"], arguments["key_packed_size"],
+            arguments["value_quant_bits"], key_fp8=key_fp8)
+    else:
+        written = slot_mapping >= 0
+        mapping = slot_mapping[written].long()
+        slots = format_md_slots(key, value, pit, centroids, 8 if key_fp8 else arguments["mse_bits"],
+                                arguments["value_quant_bits"], slot_bytes)[written]
+        built = cache.cpu()
+        built[mapping // block_size, mapping % block_size] = slots
+        cache.copy_(built)
+
     alloc_len = -(-cached_len // block_size) * block_size
     k_buf = torch.full((1, num_kv_heads, alloc_len + 5, head_dim), float("nan"), dtype=torch.float16, device=device)
     v_buf = torch.full_like(k_buf, float("nan"))
     k_cached, v_cached = k_buf[:, :, :alloc_len, :], v_buf[:, :, :alloc_len, :]
-    key_fp8 = arguments["key_fp8"]
     mse_bytes = head_dim if key_fp8 else math.ceil(head_dim * arguments["mse_bits"] / 8)
     common = dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, MSE_BYTES=mse_bytes,
                   VQB=arguments["value_quant_bits"], VAL_DATA_BYTES=head_dim * arguments["value_quant_bits"] // 8,
-                  MSE_BITS=arguments["mse_bits"], BLOCK_D=head_dim,
+                  MSE_BITS=arguments["mse_bits"], BLOCK_D=1 << (head_dim - 1).bit_length(),
                   NORM_CORRECTION=int(arguments["norm_correction"]), num_warps=4)
     if launch == "_tq_full_dequant_kv":
         common.update(KPS=arguments["key_packed_size"], KEY_FP8=int(key_fp8), FP8_E4B15=vllm._use_fp8_e4b15(0))
-    block_table = p.block_table[:1]
+    block_table = block_table[:1].to(device)
     getattr(vllm, launch)[(alloc_len, 1 * num_kv_heads)](
-        p.cache, block_table, p.centroids, k_cached, v_cached,
+        cache, block_table, centroids.to(device), k_cached, v_cached,
         k_cached.stride(0), k_cached.stride(1), k_cached.stride(2),
         v_cached.stride(0), v_cached.stride(1), v_cached.stride(2),
-        p.cache.stride(0), p.cache.stride(1), p.cache.stride(2), block_table.stride(0), **common)
+        cache.stride(0), cache.stride(1), cache.stride(2), block_table.stride(0), **common)
 
-    config = make_config(TQGEN_PRESET[cache_dtype], head_dim=head_dim)
-    pit = p.pi.t().cpu()
+    config = make_config(TQGEN_PRESET[cache_dtype], head_dim=head_dim, block_size=block_size)
     want_keys, want_values = reference.dequantize(
-        Layout.from_config(config), p.cache.cpu(), block_table.cpu(), torch.tensor([cached_len], dtype=torch.int32),
-        None if key_fp8 else pit, None if key_fp8 else p.centroids.cpu())
+        Layout.from_config(config), cache.cpu(), block_table.cpu(), torch.tensor([cached_len], dtype=torch.int32),
+        None if key_fp8 else pit, None if key_fp8 else centroids)
     keys = k_cached[0, :, :cached_len].float().cpu()
     if not key_fp8:
-        keys = keys @ p.pi.cpu()  # the backend's k_flat @ Pi: back from the rotated domain
+        keys = keys @ pi  # the backend's k_flat @ Pi: back from the rotated domain
     assert relative_error(keys, want_keys[0]) < 2e-3  # fp16 outputs
     assert relative_error(v_cached[0, :, :cached_len].float().cpu(), want_values[0]) < 1e-3
     assert not k_cached.isnan().any() and torch.all(k_buf[:, :, alloc_len:].isnan())

@@ -10,7 +10,8 @@ faster than 4 calls. --launches times decode_multi at each launch (BLOCK_KV:STAG
 the one it picks itself ("auto"); --dot also times each q_len with stage 1 held to the tl.dot kernel
 (MMA_STAGE1 off: what decode_multi ran before its Gluon kernel); --wide-caps times the Gluon kernel of more
 than 8 MMA columns (q_len x heads: 4 x 4 and up) under each register cap in turn (the maxnreg that
-`_mma_stage1_options` gives it, replaced here; 168 is the shipped one), decode's own kernel untouched.
+`_multi_mma_options` gives it, replaced here; shipped: 168 for the MSE planes presets, none where the grid fits
+one wave), decode's own kernel untouched.
 A config given as CONFIG:MODULE.py times that module file (a render of another ref, tools/render_refs.py) on
 CONFIG's problems, named by the file: two refs' kernels side by side in one run.
 Prints one table at the end.
@@ -50,13 +51,15 @@ def main():
         config = emit.as_config(path)
         module = tqgen.load(module_file or config)
         name = Path(module_file).stem if module_file else config.name
-        shipped_options = module._mma_stage1_options
+        # decode_multi's compile options (older renders: decode's, which it used then)
+        options_name = "_multi_mma_options" if hasattr(module, "_multi_mma_options") else "_mma_stage1_options"
+        shipped_options = getattr(module, options_name)
         caps = [None] + args.wide_caps  # None: the shipped options
 
         def capped_options(cap):
-            def options(block_kv, group_size=4):
-                chosen = dict(shipped_options(block_kv, group_size))
-                if cap is not None and group_size > 8:
+            def options(block_kv, columns, *one_wave):
+                chosen = dict(shipped_options(block_kv, columns, *one_wave))
+                if cap is not None and columns > 8:
                     chosen["maxnreg"] = cap
                 return chosen
             return options
@@ -83,7 +86,7 @@ def main():
                     timed = ([(name, launch, cap) for name, launch in launches for cap in caps] if label == "Gluon"
                              else [launches[0] + (None,)])
                     for launch_name, launch, cap in timed:
-                        module._mma_stage1_options = capped_options(cap)
+                        setattr(module, options_name, capped_options(cap))
                         if cap is not None:
                             launch_name = f"{launch_name} cap {cap}"
 
@@ -100,7 +103,7 @@ def main():
                               .format(*row), flush=True)
                 if shipped is not None:
                     module.MMA_STAGE1 = shipped
-                module._mma_stage1_options = shipped_options
+                setattr(module, options_name, shipped_options)
     print("\n| config | batch x context | q_len | stage 1, launch | us | x decode's time | x faster than q_len "
           "decode calls |")
     print("|---|---|---|---|---|---|---|")
