@@ -11,6 +11,10 @@
    be a multiple of 4 warps) merging the four after the region. Triton 3.6 and 3.9 compile it (8 warps a
    CTA, setmaxnreg per partition). The decode built this way ran as the split_warps variants of stage 1
    (slower, docs/limits.md "Small batches"; removed since, their code at commit 627aebf).
+3. One warpgroup over a 64-token tile and 32 MMA columns (docs/limits.md, "What q_len 8 at 1.6x would need"):
+   `warpgroup_mma` with the keys and V^T as register A operands (a stand-in for the decode), Q^T and P in
+   shared memory, an online softmax over the columns across the 4 warps; and the A operand's register layout
+   per warp beside mma_v2's (printed by the compiler: the same bases, the warps tiling the rows).
 
 No GPU needed; the result follows the local triton version.
 """
@@ -21,13 +25,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 _MMA_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=2))
 _MMA_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=2))
 _MERGE = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0]))  # the default partition's 4 warps
 _SLOTS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # gl.barrier in newer triton, thread_barrier in 3.6
 
 
 @gluon.jit
@@ -86,6 +91,56 @@ def partitions_merged(key_ptr, query_ptr, out_ptr):
     mbarrier.invalidate(done)
 
 
+@gluon.jit
+def warpgroup_tile(key_ptr, value_ptr, query_ptr, out_ptr, TILES: gl.constexpr):
+    """out^T [128 head dims, 32 columns] over TILES tiles of 64 tokens, 4 warps: scores^T = K Q^T and
+    out^T += V^T P^T on wgmma, K and V^T decoded (here: masked codes) straight into the A operand's registers."""
+    acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
+    a_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
+    loads: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    operand_b: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    dims = gl.arange(0, 128, layout=gl.SliceLayout(1, loads))
+    columns = gl.arange(0, 32, layout=gl.SliceLayout(0, loads))
+    query_t = gl.allocate_shared_memory(gl.float16, [128, 32], operand_b,
+                                        gl.load(query_ptr + columns[None, :] * 128 + dims[:, None]))
+    probabilities = gl.allocate_shared_memory(gl.float16, [64, 32], operand_b)
+    fence_async_shared()
+    key_tokens = gl.arange(0, 64, layout=gl.SliceLayout(1, a_operand))
+    key_dims = gl.arange(0, 128, layout=gl.SliceLayout(0, a_operand))
+    value_dims = gl.arange(0, 128, layout=gl.SliceLayout(1, a_operand))
+    value_tokens = gl.arange(0, 64, layout=gl.SliceLayout(0, a_operand))
+    running_max = gl.full([32], -float("inf"), gl.float32, layout=gl.SliceLayout(0, acc))
+    running_sum = gl.zeros([32], gl.float32, layout=gl.SliceLayout(0, acc))
+    out_t = gl.zeros([128, 32], gl.float32, layout=acc)
+    for tile in range(TILES):
+        codes = gl.load(key_ptr + tile * 8192 + key_tokens[:, None] * 128 + key_dims[None, :])
+        scores_t = warpgroup_mma((codes.to(gl.int32) & 7).to(gl.float16), query_t,
+                                 gl.zeros([64, 32], gl.float32, layout=acc))
+        new_max = gl.maximum(running_max, gl.max(scores_t, axis=0))  # across the 4 warps' tokens
+        numerators = gl.exp2(scores_t - new_max[None, :])
+        rescale = gl.exp2(running_max - new_max)
+        running_sum = running_sum * rescale + gl.sum(numerators, axis=0)
+        running_max = new_max
+        _cta_barrier()  # the previous tile's MMA has read P
+        probabilities.store(numerators.to(gl.float16))
+        fence_async_shared()
+        codes = gl.load(value_ptr + tile * 8192 + value_tokens[None, :] * 128 + value_dims[:, None])
+        out_t = warpgroup_mma((codes.to(gl.int32) & 15).to(gl.float16), probabilities, out_t * rescale[None, :])
+    out_t = out_t / running_sum[None, :]
+    rows = gl.arange(0, 128, layout=gl.SliceLayout(1, acc))
+    cols = gl.arange(0, 32, layout=gl.SliceLayout(0, acc))
+    gl.store(out_ptr + cols[None, :] * 128 + rows[:, None], out_t)
+
+
+@gluon.jit
+def a_operand_layouts():
+    """The compiler prints wgmma's A operand layout over 64 rows (4 warps) and mma_v2's over 16 (one warp)."""
+    wgmma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
+    gl.static_print("wgmma A:", gl.to_linear_layout(gl.DotOperandLayout(operand_index=0, parent=wgmma, k_width=2),
+                                                    [64, 128]))
+    gl.static_print("mma_v2 A:", gl.to_linear_layout(_MMA_A, [16, 128]))
+
+
 def main() -> None:
     signature = {"key_ptr": "*fp16", "query_ptr": "*fp16", "out_ptr": "*fp32",
                  "TOKENS": "constexpr", "HEADS": "constexpr", "DIM": "constexpr"}
@@ -100,6 +155,15 @@ def main() -> None:
     ptx = compiled.asm["ptx"]
     print(f"warp_specialize, four one-warp MMA partitions: {compiled.metadata.num_warps} warps, "
           f"{ptx.count('mma.sync')} mma.sync and {ptx.count('setmaxnreg')} setmaxnreg lines in the PTX")
+    signature = {"key_ptr": "*u8", "value_ptr": "*u8", "query_ptr": "*fp16", "out_ptr": "*fp32", "TILES": "constexpr"}
+    aligned = {(index,): [["tt.divisibility", 16]] for index in range(4)}
+    compiled = triton.compile(GluonASTSource(warpgroup_tile, signature, {"TILES": 4}, aligned),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ptx = compiled.asm["ptx"]
+    print(f"one warpgroup, 64 tokens x 32 columns a tile: {ptx.count('wgmma.mma_async')} wgmma, "
+          f"{ptx.count('bar.sync')} bar.sync, {compiled.metadata.shared} bytes of shared memory")
+    triton.compile(GluonASTSource(a_operand_layouts, {}, {}), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=4))
 
 
 if __name__ == "__main__":
