@@ -133,10 +133,11 @@ def compile_multi_stage1_mma(module, block_kv: int, group_size: int, q_len: int,
     keys under the config's Hadamard rotation at head_dim 128)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    extra = {"rotate_query": True} if rotate_query else {}
-    constants = module._multi_mma_constants(block_kv, group_size, q_len, dependent_launch, stages, **extra)
+    constants = module._multi_mma_constants(block_kv, group_size, q_len, dependent_launch, stages,
+                                            rotate_query=rotate_query)
     cache_constants, aligned = _slots_cache_specialization(module, head_major)
-    options = dict(module._mma_stage1_options(block_kv, constants["TOKENS_PER_PROGRAM"] * group_size))
+    # decode_multi's options on a full GPU (one_wave False: decode's register cap where it has one)
+    options = dict(module._multi_mma_options(block_kv, constants["TOKENS_PER_PROGRAM"] * group_size, False))
     return _compile_sm90(module.tq_decode_multi_stage1_mma, {**constants, **cache_constants}, POINTER_TYPES, aligned,
                          options.pop("num_warps"), 1, GluonASTSource, **options)
 
