@@ -1,0 +1,256 @@
+"""EXPERIMENT: decode_multi's stage 1 as one warpgroup (4 warps, wgmma) per (sequence, KV head, split).
+
+    python3 tools/warpgroup_multi.py --compile-only           # no GPU: compile for sm90a, print its counts
+    python3 tools/warpgroup_multi.py [--shapes 32x8192 8x8192 1x4096] [--q-lens 4 8] [--splits 4 8 16]
+
+docs/limits.md, "What q_len 8 at 1.6x would need": at 4 query heads per KV head, q_len 8 is 32 MMA columns, which
+one warp cannot hold, so decode_multi runs two 16-column programs that each decode every tile. Here one program of
+4 warps decodes a 64-token tile once for all 32 columns: warp w decodes the keys of page w of the tile (tokens 16w
+to 16w + 15, the rows wgmma gives it), scores^T = K Q^T on wgmma with Q^T in shared memory; the columns' max and sum
+across the warps; P through shared memory; out^T += V^T P^T on wgmma, warp w holding the head dims of 16-bit value
+units 8w..8w + 7 of every token (4 codes a lane and token). Three ways to load a tile (VARIANTS): where used, the
+next tile's loads issued before this one is decoded, or a cp.async ring of 3 tiles (warp w copies page w).
+k4v4-d128-planes only (4-bit keys with the symmetric default codebook, 4-bit values, the planes layout); the query
+is rotated first by the module's tq_prepare_query and the splits merged by its stage 2.
+
+On the GPU it checks the outputs against the shipped decode_multi's and times, as CUDA-graph replays (median):
+decode (q_len 1), the shipped decode_multi and this kernel at each q_len, with this kernel at each split count.
+Measured on an H100 (2026-12-06, triton 3.6, one run): docs/limits.md, "What q_len 8 at 1.6x would need".
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+CONFIG = REPO / "configs" / "k4v4-d128-planes.yaml"
+# (label, PREFETCH, STAGES): loads where used; the next tile's loads issued first; a cp.async ring of 3 tiles.
+VARIANTS = (("loads", False, 1), ("prefetch", True, 1), ("ring 3", False, 3))
+
+
+def render_module(arch: str | None):
+    """The k4v4-d128-planes module: rendered for `arch` (offline), else built for the current GPU."""
+    import tempfile
+
+    from tqgen import emit
+    if arch is None:
+        import tqgen
+        return tqgen.load(str(CONFIG))
+    text = "".join(line for line in CONFIG.read_text().splitlines(keepends=True) if not line.startswith("arch:"))
+    folder = Path(tempfile.mkdtemp(prefix="tqgen-wg-"))
+    (folder / "config.yaml").write_text(text.rstrip("\n") + f"\narch: {arch}\n")
+    import subprocess
+    rendered = subprocess.run([sys.executable, "-m", "tqgen.cli", "render", str(folder / "config.yaml")],
+                              cwd=REPO, capture_output=True, text=True, check=True)
+    (folder / "module.py").write_text(rendered.stdout)
+    return emit.import_module_file(folder / "module.py")
+
+
+def define_kernel(module):
+    """The warpgroup kernel, its helpers taken from `module` (a k4v4-d128-planes render with Gluon)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+    names = ("_mma_key_magnitudes", "_mma_key_centroids", "_build_byte_table", "_mma_query_dim", "_mma_tile_pages",
+             "_byte_perm", "_fp16_halves", "_PAGE_SIZE", "_HEAD_DIM", "_KEY_CODE_BYTES", "_KEY_NORM_PLANE",
+             "_VALUE_CODE_PLANE", "_VALUE_CODE_BYTES", "_VALUE_SCALE_PLANE", "_STALE_MAX_SLACK", "_cta_barrier",
+             "_RING_PLANE", "_RING_TOKENS", "_async_load", "async_copy")
+    namespace = {name: getattr(module, name) for name in names}
+    namespace.update(gl=gl, gluon=gluon, fence_async_shared=fence_async_shared, warpgroup_mma=warpgroup_mma)
+    namespace["__name__"] = "warpgroup_multi_kernel"  # triton names called jit functions by module
+    namespace["_WG_CODEBOOK"] = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+    source = Path(__file__).with_name("warpgroup_multi_kernel.py").read_text()
+    exec(compile(source, str(Path(__file__).with_name("warpgroup_multi_kernel.py")), "exec"), namespace)
+    return namespace
+
+
+def tile_layouts(gl, block_kv, page_size):
+    """[pages, positions, units] register layouts of a 64-token tile's loads over 4 warps: the keys' 16 group
+    words a token (wgmma's A rows: warp w the tokens 16w..16w + 15, i.e. page w at 16-token pages), the values'
+    32 16-bit units a token (V^T's A operand: unit 8w + g in warp w, lane 4g + t, tokens 2t + e + 8r)."""
+    positions = min(block_kv, page_size)
+    assert block_kv == 64, "one warp a 16-token slice of a 64-token tile"
+
+    def token(bit):
+        if 1 << bit < positions:
+            return [0, 1 << bit, 0]
+        return [1 << (bit - positions.bit_length() + 1), 0, 0]
+
+    def unit(step):
+        return [0, 0, step]
+
+    shape = [block_kv // positions, positions]
+    keys = gl.DistributedLinearLayout(
+        reg_bases=[unit(1), unit(2), token(3)], lane_bases=[unit(4), unit(8), token(0), token(1), token(2)],
+        warp_bases=[token(4), token(5)], block_bases=[], shape=shape + [16])
+    values = gl.DistributedLinearLayout(
+        reg_bases=[token(0), token(3), token(4), token(5)], lane_bases=[token(1), token(2), unit(1), unit(2), unit(4)],
+        warp_bases=[unit(8), unit(16)], block_bases=[], shape=shape + [32])
+    return keys, values
+
+
+def copy_layouts(gl, keys):
+    """The ring's cp.async layouts, 16 bytes a copy, warp w copying page w: key words (the key tile's own layout:
+    each lane copies the words it decodes), value units, key norms, value scale-zeros."""
+    pages = [[1, 0, 0], [2, 0, 0]]
+    values = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 8, 0]],
+        lane_bases=[[0, 0, 8], [0, 0, 16], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=pages, block_bases=[],
+        shape=[4, 16, 32])
+    norms = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4]], lane_bases=[[0, 8]] + [[0, 0]] * 4,
+                                       warp_bases=[[1, 0], [2, 0]], block_bases=[], shape=[4, 16])
+    scales = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]], lane_bases=[[0, 4], [0, 8]] + [[0, 0]] * 3,
+                                        warp_bases=[[1, 0], [2, 0]], block_bases=[], shape=[4, 16])
+    return (keys, values, norms, scales)
+
+
+def warp_maxes_layout(gl, block_h):
+    """[4, block_h]: the 4 rows (one per warp) in registers, the columns as the wgmma accumulator's columns
+    (registers: columns 1, 8, 16..; lanes: columns 2, 4), so that the max over the rows is the columns' max in the
+    accumulator's own column layout."""
+    columns = [[0, 1]] + [[0, 8 << b] for b in range(max(0, (block_h // 8).bit_length() - 1))]
+    return gl.DistributedLinearLayout(reg_bases=columns + [[1, 0], [2, 0]],
+                                      lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+                                      warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, block_h])
+
+
+def launch(namespace, module, query, cache, block_table, seq_lens, out, partial_out, partial_lse, prepared,
+           rotation, num_splits, prefetch, stages=1, maxnreg=None, scale=None):
+    """decode_multi through the warpgroup kernel: tq_prepare_query, the kernel, the module's stage 2."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    batch, q_len, num_q_heads, dim = query.shape
+    num_kv_heads = cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    scale = dim ** -0.5 if scale is None else scale
+    rows = batch * q_len
+    module._prepare_query(query.reshape(rows, num_q_heads, dim), rotation, prepared, scale)
+    keys, values = tile_layouts(gl, 64, module.PAGE_SIZE)
+    block_h = max(16, 1 << (q_len * group - 1).bit_length())
+    split_capacity = partial_lse.shape[2]
+    namespace["tq_decode_multi_stage1_wg"][(batch, num_kv_heads, num_splits)](
+        prepared, cache, block_table, seq_lens, module.default_centroids(cache.device), partial_out, partial_lse,
+        num_q_heads, cache.shape[0], block_table.shape[1], num_splits, split_capacity,
+        q_len * prepared.stride(0), prepared.stride(0), prepared.stride(1),
+        cache.stride(0), cache.stride(1), block_table.stride(0),
+        GROUP_SIZE=group, Q_LEN=q_len, BLOCK_H=block_h, BLOCK_KV=64, TILE_PAGES=64 // min(64, module.PAGE_SIZE),
+        TILE_POSITIONS=min(64, module.PAGE_SIZE), KEY_TILE=keys, VALUE_TILE=values,
+        WARP_MAXES=warp_maxes_layout(gl, block_h), PREFETCH=prefetch, STAGES=stages,
+        COPIES=copy_layouts(gl, keys), num_warps=4,
+        **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+    module._merge_multi_splits(partial_out, partial_lse, out, rows, num_q_heads, num_splits, split_capacity, False)
+    return out
+
+
+def compile_only() -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import ptx_probe
+    module = render_module("sm90")
+    namespace = define_kernel(module)
+    keys, values = tile_layouts(gl, 64, module.PAGE_SIZE)
+    kernel = namespace["tq_decode_multi_stage1_wg"]
+    pointers = dict(query_ptr="*fp16", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32",
+                    centroids_ptr="*fp32", partial_out_ptr="*fp32", partial_lse_ptr="*fp32")
+    scalars = ("num_q_heads", "num_blocks", "max_blocks_per_seq", "num_splits", "split_capacity",
+               "stride_query_batch", "stride_query_token", "stride_query_head", "stride_cache_block",
+               "stride_cache_head", "stride_table_batch")
+    for (q_len, block_h), (label, prefetch, stages) in [(shape, variant) for variant in VARIANTS
+                                                        for shape in ((4, 16), (8, 32))]:
+        constants = dict(GROUP_SIZE=4, Q_LEN=q_len, BLOCK_H=block_h, BLOCK_KV=64, TILE_PAGES=4, TILE_POSITIONS=16,
+                         KEY_TILE=keys, VALUE_TILE=values, WARP_MAXES=warp_maxes_layout(gl, block_h),
+                         PREFETCH=prefetch, STAGES=stages, COPIES=copy_layouts(gl, keys))
+        signature = dict(pointers, **{name: "i32" for name in scalars}, **{name: "constexpr" for name in constants})
+        # What triton's launcher would specialize on the GPU: pointers and strides divisible by 16.
+        strides = [index for index, name in enumerate(signature) if name.startswith("stride")]
+        aligned = {(index,): [["tt.divisibility", 16]] for index in list(range(len(pointers))) + strides}
+        compiled = triton.compile(GluonASTSource(kernel, signature, constants, aligned),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        ptx = compiled.asm["ptx"]
+        print(f"q_len {q_len} ({block_h} columns, {label}): {ptx.count('wgmma.mma_async')} wgmma, "
+              f"{ptx.count('bar.sync')} bar.sync, {ptx.count('st.shared')} st.shared, "
+              f"{ptx.count('ld.shared')} ld.shared, "
+              f"{compiled.metadata.shared} bytes of shared memory; {ptx_probe.ptxas_usage(ptx)}; "
+              f"{ptx_probe.sass_count(compiled.asm['cubin'])} SASS")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--shapes", nargs="+", default=["32x8192", "8x8192", "1x4096"])
+    parser.add_argument("--q-lens", nargs="+", type=int, default=[4, 8])
+    parser.add_argument("--splits", nargs="+", type=int, default=[])
+    parser.add_argument("--maxnreg", type=int, help="a register cap for the warpgroup kernel (default: none)")
+    args = parser.parse_args()
+    if args.compile_only:
+        compile_only()
+        return
+    import torch
+    import triton
+
+    from tqgen import emit, testing
+    module = render_module(None)
+    config = emit.as_config(str(CONFIG))
+    namespace = define_kernel(module)
+    device = "cuda"
+    rotation = module.default_rotation(device)
+    rows = []
+    for shape in args.shapes:
+        batch, context = (int(part) for part in shape.split("x"))
+        problem = testing.random_problem(module, config, batch, context, 32, 8, device)
+        cache, table, lens = problem["cache"], problem["block_table"], problem["seq_lens"]
+        workspace = module.DecodeWorkspace(batch, 32, 64, device, max_q_len=8)
+        query1 = problem["query"]
+        out1 = torch.empty_like(query1)
+        codebook = testing.codebook_kwargs(module, device)
+
+        def single():
+            module.decode(query1, cache, table, lens, out=out1, workspace=workspace, validate=False,
+                          max_seq_len=context, **codebook)
+        base = triton.testing.do_bench_cudagraph(single, return_mode="median") * 1e3
+        decode_splits = module.decode_launch(batch, 8, 4, context, cache.device)[3]
+        for q_len in args.q_lens:
+            query = torch.randn(batch, q_len, 32, 128, device=device, dtype=torch.float16)
+            shipped_out = torch.empty_like(query)
+
+            def shipped():
+                module.decode_multi(query, cache, table, lens, out=shipped_out, workspace=workspace,
+                                    validate=False, max_seq_len=context, **codebook)
+            shipped_us = triton.testing.do_bench_cudagraph(shipped, return_mode="median") * 1e3
+            rows.append((shape, q_len, "shipped", "auto", shipped_us, shipped_us / base, "-"))
+            print(rows[-1], flush=True)
+            for splits, (label, prefetch, stages) in [(splits, variant) for splits in args.splits or [decode_splits]
+                                                      for variant in VARIANTS]:
+                out = torch.empty_like(query)
+                partial_out = torch.empty(batch * q_len, 32, splits, 128, device=device, dtype=torch.float32)
+                partial_lse = torch.empty(batch * q_len, 32, splits, device=device, dtype=torch.float32)
+                prepared = torch.empty(batch * q_len, 32, 128, device=device, dtype=torch.float16)
+
+                def warpgroup():
+                    launch(namespace, module, query, cache, table, lens, out, partial_out, partial_lse, prepared,
+                           rotation, splits, prefetch, stages, args.maxnreg)
+                warpgroup()
+                torch.cuda.synchronize()
+                error = testing.relative_error(out.float(), shipped_out.float())
+                us = triton.testing.do_bench_cudagraph(warpgroup, return_mode="median") * 1e3
+                label = f"warpgroup, {label}" + (f", maxnreg {args.maxnreg}" if args.maxnreg else "")
+                rows.append((shape, q_len, label, splits, us, us / base, f"{error:.1e}"))
+                print(rows[-1], flush=True)
+        print(f"{shape}: decode {base:.1f} us (splits {decode_splits})", flush=True)
+    print(f"\n{torch.cuda.get_device_name()}, triton {triton.__version__}, k4v4-d128-planes, 32/8 heads, graph replay")
+    print("| batch x context | q_len | stage 1 | splits | us | x decode | relative error vs shipped |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        print("| {} | {} | {} | {} | {:.1f} | {:.2f} | {} |".format(*row))
+
+
+if __name__ == "__main__":
+    main()
