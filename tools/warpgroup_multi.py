@@ -55,7 +55,7 @@ def define_kernel(module):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-    names = ("_mma_key_magnitudes", "_mma_key_centroids", "_build_byte_table", "_mma_query_dim", "_mma_tile_pages",
+    names = ("_mma_key_magnitudes", "_build_byte_table", "_mma_query_dim", "_mma_tile_pages",
              "_byte_perm", "_fp16_halves", "_PAGE_SIZE", "_HEAD_DIM", "_KEY_CODE_BYTES", "_KEY_NORM_PLANE",
              "_VALUE_CODE_PLANE", "_VALUE_CODE_BYTES", "_VALUE_SCALE_PLANE", "_STALE_MAX_SLACK", "_cta_barrier",
              "_RING_PLANE", "_RING_TOKENS", "_async_load", "async_copy")
@@ -121,7 +121,6 @@ def warp_maxes_layout(gl, block_h):
 def launch(namespace, module, query, cache, block_table, seq_lens, out, partial_out, partial_lse, prepared,
            rotation, num_splits, prefetch, stages=1, maxnreg=None, scale=None):
     """decode_multi through the warpgroup kernel: tq_prepare_query, the kernel, the module's stage 2."""
-    import torch
     from triton.experimental.gluon import language as gl
     batch, q_len, num_q_heads, dim = query.shape
     num_kv_heads = cache.shape[1]
