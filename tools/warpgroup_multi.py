@@ -9,13 +9,15 @@ one warp cannot hold, so decode_multi runs two 16-column programs that each deco
 to 16w + 15, the rows wgmma gives it), scores^T = K Q^T on wgmma with Q^T in shared memory; the columns' max and sum
 across the warps; P through shared memory; out^T += V^T P^T on wgmma, warp w holding the head dims of 16-bit value
 units 8w..8w + 7 of every token (4 codes a lane and token). Three ways to load a tile (VARIANTS): where used, the
-next tile's loads issued before this one is decoded, or a cp.async ring of 3 tiles (warp w copies page w).
+next tile's loads issued before this one is decoded, or a cp.async ring of 3 tiles (warp w copies page w); and the
+ring with the lazy max's test as one flag per warp, the columns' exact max exchanged only where a flag is up.
 k4v4-d128-planes only (4-bit keys with the symmetric default codebook, 4-bit values, the planes layout); the query
 is rotated first by the module's tq_prepare_query and the splits merged by its stage 2.
 
 On the GPU it checks the outputs against the shipped decode_multi's and times, as CUDA-graph replays (median):
 decode (q_len 1), the shipped decode_multi and this kernel at each q_len, with this kernel at each split count.
-Measured on an H100 (2026-12-06, triton 3.6, one run): docs/limits.md, "What q_len 8 at 1.6x would need".
+Measured on an H100 (2026-12-06, triton 3.6, one run): docs/limits.md, "What q_len 8 at 1.6x would need"; the
+variant "ring 3, flag test" has compiled (triton 3.6 and 3.9) but not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 CONFIG = REPO / "configs" / "k4v4-d128-planes.yaml"
-# (label, PREFETCH, STAGES): loads where used; the next tile's loads issued first; a cp.async ring of 3 tiles.
-VARIANTS = (("loads", False, 1), ("prefetch", True, 1), ("ring 3", False, 3))
+# (label, PREFETCH, STAGES, FLAG_TEST): loads where used; the next tile's loads issued first; a cp.async ring of 3
+# tiles; the ring with the lazy max's test as a flag per warp.
+VARIANTS = (("loads", False, 1, False), ("prefetch", True, 1, False), ("ring 3", False, 3, False),
+            ("ring 3, flag test", False, 3, True))
 
 
 def render_module(arch: str | None):
@@ -119,7 +123,7 @@ def warp_maxes_layout(gl, block_h):
 
 
 def launch(namespace, module, query, cache, block_table, seq_lens, out, partial_out, partial_lse, prepared,
-           rotation, num_splits, prefetch, stages=1, maxnreg=None, scale=None):
+           rotation, num_splits, prefetch, stages=1, flag_test=False, maxnreg=None, scale=None):
     """decode_multi through the warpgroup kernel: tq_prepare_query, the kernel, the module's stage 2."""
     from triton.experimental.gluon import language as gl
     batch, q_len, num_q_heads, dim = query.shape
@@ -139,7 +143,7 @@ def launch(namespace, module, query, cache, block_table, seq_lens, out, partial_
         GROUP_SIZE=group, Q_LEN=q_len, BLOCK_H=block_h, BLOCK_KV=64, TILE_PAGES=64 // min(64, module.PAGE_SIZE),
         TILE_POSITIONS=min(64, module.PAGE_SIZE), KEY_TILE=keys, VALUE_TILE=values,
         WARP_MAXES=warp_maxes_layout(gl, block_h), PREFETCH=prefetch, STAGES=stages,
-        COPIES=copy_layouts(gl, keys), num_warps=4,
+        COPIES=copy_layouts(gl, keys), FLAG_TEST=flag_test, num_warps=4,
         **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     module._merge_multi_splits(partial_out, partial_lse, out, rows, num_q_heads, num_splits, split_capacity, False)
     return out
@@ -162,11 +166,11 @@ def compile_only() -> None:
     scalars = ("num_q_heads", "num_blocks", "max_blocks_per_seq", "num_splits", "split_capacity",
                "stride_query_batch", "stride_query_token", "stride_query_head", "stride_cache_block",
                "stride_cache_head", "stride_table_batch")
-    for (q_len, block_h), (label, prefetch, stages) in [(shape, variant) for variant in VARIANTS
+    for (q_len, block_h), (label, prefetch, stages, flag_test) in [(shape, variant) for variant in VARIANTS
                                                         for shape in ((4, 16), (8, 32))]:
         constants = dict(GROUP_SIZE=4, Q_LEN=q_len, BLOCK_H=block_h, BLOCK_KV=64, TILE_PAGES=4, TILE_POSITIONS=16,
                          KEY_TILE=keys, VALUE_TILE=values, WARP_MAXES=warp_maxes_layout(gl, block_h),
-                         PREFETCH=prefetch, STAGES=stages, COPIES=copy_layouts(gl, keys))
+                         PREFETCH=prefetch, STAGES=stages, COPIES=copy_layouts(gl, keys), FLAG_TEST=flag_test)
         signature = dict(pointers, **{name: "i32" for name in scalars}, **{name: "constexpr" for name in constants})
         # What triton's launcher would specialize on the GPU: pointers and strides divisible by 16.
         strides = [index for index, name in enumerate(signature) if name.startswith("stride")]
@@ -226,8 +230,8 @@ def main() -> None:
             shipped_us = triton.testing.do_bench_cudagraph(shipped, return_mode="median") * 1e3
             rows.append((shape, q_len, "shipped", "auto", shipped_us, shipped_us / base, "-"))
             print(rows[-1], flush=True)
-            for splits, (label, prefetch, stages) in [(splits, variant) for splits in args.splits or [decode_splits]
-                                                      for variant in VARIANTS]:
+            launches = [(splits, variant) for splits in args.splits or [decode_splits] for variant in VARIANTS]
+            for splits, (label, prefetch, stages, flag_test) in launches:
                 out = torch.empty_like(query)
                 partial_out = torch.empty(batch * q_len, 32, splits, 128, device=device, dtype=torch.float32)
                 partial_lse = torch.empty(batch * q_len, 32, splits, device=device, dtype=torch.float32)
@@ -235,7 +239,7 @@ def main() -> None:
 
                 def warpgroup():
                     launch(namespace, module, query, cache, table, lens, out, partial_out, partial_lse, prepared,
-                           rotation, splits, prefetch, stages, args.maxnreg)
+                           rotation, splits, prefetch, stages, flag_test, args.maxnreg)
                 warpgroup()
                 torch.cuda.synchronize()
                 error = testing.relative_error(out.float(), shipped_out.float())

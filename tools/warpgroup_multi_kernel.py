@@ -116,6 +116,7 @@ def tq_decode_multi_stage1_wg(
     PREFETCH: gl.constexpr,  # issue the next tile's loads before decoding this one (registers as the ring)
     STAGES: gl.constexpr,  # >= 3: a cp.async ring of STAGES tiles in shared memory (PREFETCH unused); else loads
     COPIES: gl.constexpr,  # the ring's copy layouts (key words, value units, key norms, scale-zeros)
+    FLAG_TEST: gl.constexpr,  # the lazy max's test as one flag per warp; the exact max only where it moves
 ):
     gl.static_assert(TILE_POSITIONS == _PAGE_SIZE, "64-token tiles of whole pages")
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
@@ -149,6 +150,8 @@ def tq_decode_multi_stage1_wg(
     query_t = gl.allocate_shared_memory(gl.float16, [128, BLOCK_H], OPERAND_B, query)
     probabilities = gl.allocate_shared_memory(gl.float16, [BLOCK_KV, BLOCK_H], OPERAND_B)
     warp_maxes = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    warp_flags = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ALL_FLAGS: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])  # every thread reads the 4 warps' flags
     if STAGES > 1:
         gl.static_assert(STAGES >= 3, "the ring waits for tile t + 1 while tile t + 2 may be in flight")
         key_ring = gl.allocate_shared_memory(gl.int32, [STAGES, TILE_PAGES, TILE_POSITIONS, 16], _RING_PLANE)
@@ -237,11 +240,21 @@ def tq_decode_multi_stage1_wg(
             value_scale = gl.where(valid, value_scale, 0.0)
             value_zero = gl.where(valid, value_zero, 0.0)
 
-        # Online softmax with a lazy max. The columns' max across the 4 warps: each warp's (rows 16w..16w + 15)
-        # through shared memory, one barrier (the next tile's stores come after the barrier that publishes P).
-        warp_maxes.store(gl.max(gl.reshape(scores, [4, BLOCK_KV // 4, BLOCK_H]), axis=1))
-        _cta_barrier()
-        tile_max = gl.convert_layout(gl.max(warp_maxes.load(WARP_MAXES), axis=0), gl.SliceLayout(0, ACC))
+        if FLAG_TEST:
+            # Online softmax with a lazy max, tested before it is taken: whether any score passes the running max
+            # by more than _STALE_MAX_SLACK, a flag per warp through shared memory (one barrier); only where one
+            # is up (a split's first tiles, mostly) the columns' exact max across the warps (a second barrier).
+            passed = (scores > (running_max + _STALE_MAX_SLACK)[None, :]).to(gl.int32)
+            warp_flags.store(gl.max(gl.reshape(passed, [4, BLOCK_KV // 4 * BLOCK_H]), axis=1))
+            _cta_barrier()
+            moves = gl.max(warp_flags.load(ALL_FLAGS), axis=0) != 0
+        else:
+            # Online softmax with a lazy max. The columns' max across the 4 warps: each warp's (rows 16w..16w + 15)
+            # through shared memory, one barrier (the next tile's stores come after the barrier that publishes P).
+            warp_maxes.store(gl.max(gl.reshape(scores, [4, BLOCK_KV // 4, BLOCK_H]), axis=1))
+            _cta_barrier()
+            tile_max = gl.convert_layout(gl.max(warp_maxes.load(WARP_MAXES), axis=0), gl.SliceLayout(0, ACC))
+            moves = gl.max((tile_max > running_max + _STALE_MAX_SLACK).to(gl.int32), axis=0) != 0
         if STAGES > 1:
             # Every warp is past tile t - 1 (its reads of the ring included): its slot takes tile t + STAGES - 1.
             ahead = tile_start + (STAGES - 1) * BLOCK_KV
@@ -251,7 +264,12 @@ def tq_decode_multi_stage1_wg(
                               head_offset, gl.constexpr(COPIES[0]), gl.constexpr(COPIES[1]), gl.constexpr(COPIES[2]),
                               gl.constexpr(COPIES[3]))
             async_copy.commit_group()
-        if gl.max((tile_max > running_max + _STALE_MAX_SLACK).to(gl.int32), axis=0) != 0:
+        if moves:
+            if FLAG_TEST:
+                # The flags' barrier above ordered every earlier read of warp_maxes before this store.
+                warp_maxes.store(gl.max(gl.reshape(scores, [4, BLOCK_KV // 4, BLOCK_H]), axis=1))
+                _cta_barrier()
+                tile_max = gl.convert_layout(gl.max(warp_maxes.load(WARP_MAXES), axis=0), gl.SliceLayout(0, ACC))
             new_max = gl.maximum(running_max, tile_max)
             rescale = gl.exp2(running_max - gl.where(new_max == float("-inf"), 0.0, new_max))
             running_max = new_max
