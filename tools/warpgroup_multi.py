@@ -10,7 +10,8 @@ to 16w + 15, the rows wgmma gives it), scores^T = K Q^T on wgmma with Q^T in sha
 across the warps; P through shared memory; out^T += V^T P^T on wgmma, warp w holding the head dims of 16-bit value
 units 8w..8w + 7 of every token (4 codes a lane and token). Three ways to load a tile (VARIANTS): where used, the
 next tile's loads issued before this one is decoded, or a cp.async ring of 3 tiles (warp w copies page w); and the
-ring with the lazy max's test as one flag per warp, the columns' exact max exchanged only where a flag is up.
+ring with the lazy max's test as one flag per warp, the columns' exact max exchanged only where a flag is up, and
+the value units' token pairs from ldmatrix kept 16 bits wide.
 k4v4-d128-planes only (4-bit keys with the symmetric default codebook, 4-bit values, the planes layout); the query
 is rotated first by the module's tq_prepare_query and the splits merged by its stage 2.
 
@@ -30,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 CONFIG = REPO / "configs" / "k4v4-d128-planes.yaml"
 # (label, PREFETCH, STAGES, FLAG_TEST): loads where used; the next tile's loads issued first; a cp.async ring of 3
-# tiles; the ring with the lazy max's test as a flag per warp.
+# tiles; the ring with the lazy max's test as a flag per warp (and 16-bit token pairs of value units).
 VARIANTS = (("loads", False, 1, False), ("prefetch", True, 1, False), ("ring 3", False, 3, False),
             ("ring 3, flag test", False, 3, True))
 

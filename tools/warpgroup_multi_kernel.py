@@ -11,6 +11,26 @@ def _wg_row_groups(x):
 
 
 @gluon.jit
+def _wg_token_pairs(even, odd):
+    """int16 units of tokens 2q and 2q + 1 -> int32 holding them in its low and high halves. Kept 16 bits wide, the
+    pairs that ldmatrix loaded together need no widening and repacking (ptxas folds the unpack and pack)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, {$1, $2};", "=r,h,h", [even, odd], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _wg_pair_codes(low):
+    """Token pairs of 16-bit value units (_wg_token_pairs) -> [..., 2, 2, 2] fp16, as _wg_value_codes."""
+    codes0 = low & 0x000F000F
+    codes1 = low & 0x00F000F0
+    codes2 = (low >> 8) & 0x000F000F
+    codes3 = (low >> 8) & 0x00F000F0
+    pairs = gl.join(gl.join(codes0, codes2), gl.join(codes1, codes3))
+    first, second = _fp16_halves(pairs)
+    return gl.join(first, second)
+
+
+@gluon.jit
 def _wg_value_codes(even, odd):
     """16-bit value units (4 codes each) of tokens 2q and 2q + 1, in int32 -> [..., 2, 2, 2] fp16: element (s, r, e)
     is code r + 2s of the unit of token 2q + e, as the fp16 subnormal code * 2**-24 (r = 0) or * 2**-20 (r = 1)."""
@@ -116,7 +136,7 @@ def tq_decode_multi_stage1_wg(
     PREFETCH: gl.constexpr,  # issue the next tile's loads before decoding this one (registers as the ring)
     STAGES: gl.constexpr,  # >= 3: a cp.async ring of STAGES tiles in shared memory (PREFETCH unused); else loads
     COPIES: gl.constexpr,  # the ring's copy layouts (key words, value units, key norms, scale-zeros)
-    FLAG_TEST: gl.constexpr,  # the lazy max's test as one flag per warp; the exact max only where it moves
+    FLAG_TEST: gl.constexpr,  # the lazy max test as a flag per warp (exact max only where it moves); 16-bit pairs
 ):
     gl.static_assert(TILE_POSITIONS == _PAGE_SIZE, "64-token tiles of whole pages")
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
@@ -295,8 +315,13 @@ def tq_decode_multi_stage1_wg(
 
 
         # --- out^T [128, BLOCK_H] += V^T P^T: lane 4g + t of warp w holds 16-bit unit 8w + g of its tokens
-        even, odd = gl.split(gl.permute(gl.reshape(units.to(gl.int32), [BLOCK_KV // 2, 2, 32]), [0, 2, 1]))
-        values = _wg_value_codes(even, odd)  # [BLOCK_KV // 2, 32 units, 2 (s), 2 (r), 2 (e)]
+        if FLAG_TEST:
+            even, odd = gl.split(gl.permute(gl.reshape(units.to(gl.int16, bitcast=True), [BLOCK_KV // 2, 2, 32]),
+                                            [0, 2, 1]))
+            values = _wg_pair_codes(_wg_token_pairs(even, odd))  # [BLOCK_KV // 2, 32 units, 2 (s), 2 (r), 2 (e)]
+        else:
+            even, odd = gl.split(gl.permute(gl.reshape(units.to(gl.int32), [BLOCK_KV // 2, 2, 32]), [0, 2, 1]))
+            values = _wg_value_codes(even, odd)  # [BLOCK_KV // 2, 32 units, 2 (s), 2 (r), 2 (e)]
         # Unit 8w + g, code r + 2s to row 64s + 16w + 8r + g; token 2q + e to column 2q + e.
         values = gl.reshape(values, [BLOCK_KV // 2, 4, 8, 2, 2, 2])
         values = gl.reshape(gl.permute(values, [3, 1, 4, 2, 0, 5]), [128, BLOCK_KV])
