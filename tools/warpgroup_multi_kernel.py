@@ -20,11 +20,14 @@ def _wg_token_pairs(even, odd):
 
 @gluon.jit
 def _wg_pair_codes(low):
-    """Token pairs of 16-bit value units (_wg_token_pairs) -> [..., 2, 2, 2] fp16, as _wg_value_codes."""
+    """Token pairs of 16-bit value units (_wg_token_pairs: token 2q's in the low half) -> [..., 2, 2, 2] fp16: element
+    (s, r, e) is code r + 2s of the unit of token 2q + e, as the fp16 subnormal code * 2**-24 (r = 0) or * 2**-20
+    (r = 1)."""
     codes0 = low & 0x000F000F
     codes1 = low & 0x00F000F0
     codes2 = (low >> 8) & 0x000F000F
     codes3 = (low >> 8) & 0x00F000F0
+    # gl.join adds a last dim (join(a, b)[..., 1] is b): code 2s + r at [s, r].
     pairs = gl.join(gl.join(codes0, codes2), gl.join(codes1, codes3))
     first, second = _fp16_halves(pairs)
     return gl.join(first, second)
@@ -34,15 +37,7 @@ def _wg_pair_codes(low):
 def _wg_value_codes(even, odd):
     """16-bit value units (4 codes each) of tokens 2q and 2q + 1, in int32 -> [..., 2, 2, 2] fp16: element (s, r, e)
     is code r + 2s of the unit of token 2q + e, as the fp16 subnormal code * 2**-24 (r = 0) or * 2**-20 (r = 1)."""
-    low = _byte_perm(even, odd, 0x5410)  # halves: bytes 0, 1 of each token's unit
-    codes0 = low & 0x000F000F
-    codes1 = low & 0x00F000F0
-    codes2 = (low >> 8) & 0x000F000F
-    codes3 = (low >> 8) & 0x00F000F0
-    # gl.join adds a last dim (join(a, b)[..., 1] is b): code 2s + r at [s, r].
-    pairs = gl.join(gl.join(codes0, codes2), gl.join(codes1, codes3))
-    first, second = _fp16_halves(pairs)
-    return gl.join(first, second)
+    return _wg_pair_codes(_byte_perm(even, odd, 0x5410))  # halves: bytes 0, 1 of each token's unit
 
 
 @gluon.jit
