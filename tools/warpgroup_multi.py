@@ -24,6 +24,7 @@ variant "ring 3, flag test" has compiled (triton 3.6 and 3.9) but not yet run on
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -36,22 +37,17 @@ VARIANTS = (("loads", False, 1, False), ("prefetch", True, 1, False), ("ring 3",
             ("ring 3, flag test", False, 3, True))
 
 
-def render_module(arch: str | None):
-    """The k4v4-d128-planes module: rendered for `arch` (offline), else built for the current GPU."""
+def load_module(arch: str | None = None):
+    """The k4v4-d128-planes module: built for the current GPU, or rendered for `arch` (offline compiles)."""
+    import dataclasses
     import tempfile
 
-    from tqgen import emit
+    import tqgen
+    from tqgen import config as config_mod
+    config = config_mod.load(str(CONFIG))
     if arch is None:
-        import tqgen
-        return tqgen.load(str(CONFIG))
-    text = "".join(line for line in CONFIG.read_text().splitlines(keepends=True) if not line.startswith("arch:"))
-    folder = Path(tempfile.mkdtemp(prefix="tqgen-wg-"))
-    (folder / "config.yaml").write_text(text.rstrip("\n") + f"\narch: {arch}\n")
-    import subprocess
-    rendered = subprocess.run([sys.executable, "-m", "tqgen.cli", "render", str(folder / "config.yaml")],
-                              cwd=REPO, capture_output=True, text=True, check=True)
-    (folder / "module.py").write_text(rendered.stdout)
-    return emit.import_module_file(folder / "module.py")
+        return tqgen.load(config)
+    return tqgen.load(dataclasses.replace(config, arch=arch), tempfile.mkdtemp(prefix="tqgen-wg-"))
 
 
 def define_kernel(module):
@@ -123,63 +119,53 @@ def warp_maxes_layout(gl, block_h):
                                       warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, block_h])
 
 
-def launch(namespace, module, query, cache, block_table, seq_lens, out, partial_out, partial_lse, prepared,
-           rotation, num_splits, prefetch, stages=1, flag_test=False, maxnreg=None, scale=None):
-    """decode_multi through the warpgroup kernel: tq_prepare_query, the kernel, the module's stage 2."""
+@functools.lru_cache(maxsize=None)
+def kernel_constants(page_size, group_size, q_len, prefetch, stages, flag_test):
+    """The constexpr arguments of tq_decode_multi_stage1_wg: 64-token tiles, all q_len x group_size columns (at
+    least 16), and a variant's (VARIANTS) load and max switches."""
     from triton.experimental.gluon import language as gl
+    keys, values = tile_layouts(gl, 64, page_size)
+    block_h = max(16, 1 << (q_len * group_size - 1).bit_length())
+    positions = min(64, page_size)
+    return dict(GROUP_SIZE=group_size, Q_LEN=q_len, BLOCK_H=block_h, BLOCK_KV=64, TILE_PAGES=64 // positions,
+                TILE_POSITIONS=positions, KEY_TILE=keys, VALUE_TILE=values, WARP_MAXES=warp_maxes_layout(gl, block_h),
+                PREFETCH=prefetch, STAGES=stages, COPIES=copy_layouts(gl, keys), FLAG_TEST=flag_test)
+
+
+def launch(namespace, module, query, cache, block_table, seq_lens, out, partial_out, partial_lse, prepared,
+           rotation, num_splits, variant, scale=None):
+    """decode_multi through the warpgroup kernel (a VARIANTS entry's switches): tq_prepare_query, the kernel, the
+    module's stage 2."""
     batch, q_len, num_q_heads, dim = query.shape
     num_kv_heads = cache.shape[1]
-    group = num_q_heads // num_kv_heads
     scale = dim ** -0.5 if scale is None else scale
     rows = batch * q_len
     module._prepare_query(query.reshape(rows, num_q_heads, dim), rotation, prepared, scale)
-    keys, values = tile_layouts(gl, 64, module.PAGE_SIZE)
-    block_h = max(16, 1 << (q_len * group - 1).bit_length())
     split_capacity = partial_lse.shape[2]
     namespace["tq_decode_multi_stage1_wg"][(batch, num_kv_heads, num_splits)](
         prepared, cache, block_table, seq_lens, module.default_centroids(cache.device), partial_out, partial_lse,
         num_q_heads, cache.shape[0], block_table.shape[1], num_splits, split_capacity,
         q_len * prepared.stride(0), prepared.stride(0), prepared.stride(1),
         cache.stride(0), cache.stride(1), block_table.stride(0),
-        GROUP_SIZE=group, Q_LEN=q_len, BLOCK_H=block_h, BLOCK_KV=64, TILE_PAGES=64 // min(64, module.PAGE_SIZE),
-        TILE_POSITIONS=min(64, module.PAGE_SIZE), KEY_TILE=keys, VALUE_TILE=values,
-        WARP_MAXES=warp_maxes_layout(gl, block_h), PREFETCH=prefetch, STAGES=stages,
-        COPIES=copy_layouts(gl, keys), FLAG_TEST=flag_test, num_warps=4,
-        **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+        **kernel_constants(module.PAGE_SIZE, num_q_heads // num_kv_heads, q_len, *variant[1:]), num_warps=4)
     module._merge_multi_splits(partial_out, partial_lse, out, rows, num_q_heads, num_splits, split_capacity, False)
     return out
 
 
 def compile_only() -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sys.path.insert(0, str(REPO / "tools"))
     import ptx_probe
-    module = render_module("sm90")
-    namespace = define_kernel(module)
-    keys, values = tile_layouts(gl, 64, module.PAGE_SIZE)
-    kernel = namespace["tq_decode_multi_stage1_wg"]
-    pointers = dict(query_ptr="*fp16", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32",
-                    centroids_ptr="*fp32", partial_out_ptr="*fp32", partial_lse_ptr="*fp32")
-    scalars = ("num_q_heads", "num_blocks", "max_blocks_per_seq", "num_splits", "split_capacity",
-               "stride_query_batch", "stride_query_token", "stride_query_head", "stride_cache_block",
-               "stride_cache_head", "stride_table_batch")
-    for (q_len, block_h), (label, prefetch, stages, flag_test) in [(shape, variant) for variant in VARIANTS
-                                                        for shape in ((4, 16), (8, 32))]:
-        constants = dict(GROUP_SIZE=4, Q_LEN=q_len, BLOCK_H=block_h, BLOCK_KV=64, TILE_PAGES=4, TILE_POSITIONS=16,
-                         KEY_TILE=keys, VALUE_TILE=values, WARP_MAXES=warp_maxes_layout(gl, block_h),
-                         PREFETCH=prefetch, STAGES=stages, COPIES=copy_layouts(gl, keys), FLAG_TEST=flag_test)
-        signature = dict(pointers, **{name: "i32" for name in scalars}, **{name: "constexpr" for name in constants})
-        # What triton's launcher would specialize on the GPU: pointers and strides divisible by 16.
-        strides = [index for index, name in enumerate(signature) if name.startswith("stride")]
-        aligned = {(index,): [["tt.divisibility", 16]] for index in list(range(len(pointers))) + strides}
-        compiled = triton.compile(GluonASTSource(kernel, signature, constants, aligned),
-                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    module = load_module("sm90")
+    kernel = define_kernel(module)["tq_decode_multi_stage1_wg"]
+    for variant, q_len in [(variant, q_len) for variant in VARIANTS for q_len in (4, 8)]:
+        constants = kernel_constants(module.PAGE_SIZE, 4, q_len, *variant[1:])
+        # A launch's specializations: pointers and strides divisible by 16.
+        compiled = ptx_probe._compile_sm90(kernel, constants, ptx_probe.POINTER_TYPES, ("stride_",), 4, 1,
+                                           GluonASTSource)
         ptx = compiled.asm["ptx"]
-        print(f"q_len {q_len} ({block_h} columns, {label}): {ptx.count('wgmma.mma_async')} wgmma, "
+        print(f"q_len {q_len} ({constants['BLOCK_H']} columns, {variant[0]}): {ptx.count('wgmma.mma_async')} wgmma, "
               f"{ptx.count('bar.sync')} bar.sync, {ptx.count('st.shared')} st.shared, "
               f"{ptx.count('ld.shared')} ld.shared, "
               f"{compiled.metadata.shared} bytes of shared memory; {ptx_probe.ptxas_usage(ptx)}; "
@@ -192,7 +178,6 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["32x8192", "8x8192", "1x4096"])
     parser.add_argument("--q-lens", nargs="+", type=int, default=[4, 8])
     parser.add_argument("--splits", nargs="+", type=int, default=[])
-    parser.add_argument("--maxnreg", type=int, help="a register cap for the warpgroup kernel (default: none)")
     args = parser.parse_args()
     if args.compile_only:
         compile_only()
@@ -201,7 +186,7 @@ def main() -> None:
     import triton
 
     from tqgen import emit, testing
-    module = render_module(None)
+    module = load_module()
     config = emit.as_config(str(CONFIG))
     namespace = define_kernel(module)
     device = "cuda"
@@ -232,7 +217,7 @@ def main() -> None:
             rows.append((shape, q_len, "shipped", "auto", shipped_us, shipped_us / base, "-"))
             print(rows[-1], flush=True)
             launches = [(splits, variant) for splits in args.splits or [decode_splits] for variant in VARIANTS]
-            for splits, (label, prefetch, stages, flag_test) in launches:
+            for splits, variant in launches:
                 out = torch.empty_like(query)
                 partial_out = torch.empty(batch * q_len, 32, splits, 128, device=device, dtype=torch.float32)
                 partial_lse = torch.empty(batch * q_len, 32, splits, device=device, dtype=torch.float32)
@@ -240,13 +225,12 @@ def main() -> None:
 
                 def warpgroup():
                     launch(namespace, module, query, cache, table, lens, out, partial_out, partial_lse, prepared,
-                           rotation, splits, prefetch, stages, flag_test, args.maxnreg)
+                           rotation, splits, variant)
                 warpgroup()
                 torch.cuda.synchronize()
                 error = testing.relative_error(out.float(), shipped_out.float())
                 us = triton.testing.do_bench_cudagraph(warpgroup, return_mode="median") * 1e3
-                label = f"warpgroup, {label}" + (f", maxnreg {args.maxnreg}" if args.maxnreg else "")
-                rows.append((shape, q_len, label, splits, us, us / base, f"{error:.1e}"))
+                rows.append((shape, q_len, f"warpgroup, {variant[0]}", splits, us, us / base, f"{error:.1e}"))
                 print(rows[-1], flush=True)
         print(f"{shape}: decode {base:.1f} us (splits {decode_splits})", flush=True)
     print(f"\n{torch.cuda.get_device_name()}, triton {triton.__version__}, k4v4-d128-planes, 32/8 heads, graph replay")

@@ -41,6 +41,16 @@ def _wg_value_codes(even, odd):
 
 
 @gluon.jit
+def _wg_columns_max(scores, warp_maxes, WARP_MAXES: gl.constexpr):
+    """The max of each column of scores [64, BLOCK_H] across the 4 warps, in the accumulator's column layout: each
+    warp's (rows 16w..16w + 15) through shared memory, one barrier. The caller orders earlier reads of warp_maxes
+    before this store (a barrier of its own: the next tile's store comes after the one that publishes P)."""
+    warp_maxes.store(gl.max(gl.reshape(scores, [4, scores.shape[0] // 4, scores.shape[1]]), axis=1))
+    _cta_barrier()
+    return gl.convert_layout(gl.max(warp_maxes.load(WARP_MAXES), axis=0), gl.SliceLayout(0, scores.type.layout))
+
+
+@gluon.jit
 def _wg_load_tile(tile_start, page_in_tile, own_page, value_unit, key_word, cache_ptr, table_row, max_blocks_per_seq,
                   num_blocks, stride_cache_block, head_offset, TILE_POSITIONS: gl.constexpr,
                   KEY_TILE: gl.constexpr, VALUE_TILE: gl.constexpr):
@@ -264,11 +274,8 @@ def tq_decode_multi_stage1_wg(
             _cta_barrier()
             moves = gl.max(warp_flags.load(ALL_FLAGS), axis=0) != 0
         else:
-            # Online softmax with a lazy max. The columns' max across the 4 warps: each warp's (rows 16w..16w + 15)
-            # through shared memory, one barrier (the next tile's stores come after the barrier that publishes P).
-            warp_maxes.store(gl.max(gl.reshape(scores, [4, BLOCK_KV // 4, BLOCK_H]), axis=1))
-            _cta_barrier()
-            tile_max = gl.convert_layout(gl.max(warp_maxes.load(WARP_MAXES), axis=0), gl.SliceLayout(0, ACC))
+            # Online softmax with a lazy max, the columns' max taken across the 4 warps every tile.
+            tile_max = _wg_columns_max(scores, warp_maxes, WARP_MAXES)
             moves = gl.max((tile_max > running_max + _STALE_MAX_SLACK).to(gl.int32), axis=0) != 0
         if STAGES > 1:
             # Every warp is past tile t - 1 (its reads of the ring included): its slot takes tile t + STAGES - 1.
@@ -282,9 +289,7 @@ def tq_decode_multi_stage1_wg(
         if moves:
             if FLAG_TEST:
                 # The flags' barrier above ordered every earlier read of warp_maxes before this store.
-                warp_maxes.store(gl.max(gl.reshape(scores, [4, BLOCK_KV // 4, BLOCK_H]), axis=1))
-                _cta_barrier()
-                tile_max = gl.convert_layout(gl.max(warp_maxes.load(WARP_MAXES), axis=0), gl.SliceLayout(0, ACC))
+                tile_max = _wg_columns_max(scores, warp_maxes, WARP_MAXES)
             new_max = gl.maximum(running_max, tile_max)
             rescale = gl.exp2(running_max - gl.where(new_max == float("-inf"), 0.0, new_max))
             running_max = new_max
