@@ -1,12 +1,12 @@
 """Time decode_multi at q_len 1, 2, 4 and 8 against decode (CUDA-graph replay), 32/8 heads.
 
     python3 tools/bench_decode_multi.py configs/k3v4-d128-planes.yaml configs/k8v4-d128-planes.yaml [--dot]
-        [--shapes 32x8192] [--q-lens 1 2 4 8] [--launches 32:2:8 32:2:6 ...] [--wide-caps 168 128]
+        [--shapes 32x8192] [--q-lens 1 2 4 8] [--launches 32:2:8 32:2:6 64:3:4:4 ...] [--wide-caps 168 128]
     python3 tools/bench_decode_multi.py CONFIG:out/ab/main-CONFIG.py CONFIG:out/ab/BRANCH-CONFIG.py ...
 
 Each row: the call's median time, as a multiple of decode's (one query token, its own launch) and against
 q_len separate decode calls. Issue 21's targets: q_len 4 <= 1.25x decode, q_len 8 <= 1.6x, q_len 4 >= 3x
-faster than 4 calls. --launches times decode_multi at each launch (BLOCK_KV:STAGES:SPLITS, one warp) beside
+faster than 4 calls. --launches times decode_multi at each launch (BLOCK_KV:STAGES:SPLITS[:WARPS]) beside
 the one it picks itself ("auto"); --dot also times each q_len with stage 1 held to the tl.dot kernel
 (MMA_STAGE1 off: what decode_multi ran before its Gluon kernel); --wide-caps times the Gluon kernel of more
 than 8 MMA columns (q_len x heads: 4 x 4 and up) under each register cap in turn (the maxnreg that
@@ -29,8 +29,9 @@ from tqgen import emit, testing  # noqa: E402
 
 
 def parse_launch(text):
-    block_kv, stages, splits = (int(part) for part in text.split(":"))
-    return dict(block_kv=block_kv, num_stages=stages, num_splits=splits, num_warps=1)
+    """BLOCK_KV:STAGES:SPLITS[:WARPS] (one warp unless given; 64:3:S:4 is the warpgroup kernel's launch)."""
+    block_kv, stages, splits, *warps = (int(part) for part in text.split(":"))
+    return dict(block_kv=block_kv, num_stages=stages, num_splits=splits, num_warps=warps[0] if warps else 1)
 
 
 def main():
@@ -39,7 +40,7 @@ def main():
     parser.add_argument("--dot", action="store_true", help="also time the tl.dot stage 1")
     parser.add_argument("--shapes", nargs="+", default=["32x8192"], metavar="BATCHxCONTEXT")
     parser.add_argument("--q-lens", nargs="+", type=int, default=[1, 2, 4, 8])
-    parser.add_argument("--launches", nargs="+", default=[], metavar="BLOCK_KV:STAGES:SPLITS",
+    parser.add_argument("--launches", nargs="+", default=[], metavar="BLOCK_KV:STAGES:SPLITS[:WARPS]",
                         help="also time decode_multi at these launches")
     parser.add_argument("--wide-caps", nargs="+", type=int, default=[], metavar="REGISTERS",
                         help="time the kernel of more than 8 columns under each of these register caps")

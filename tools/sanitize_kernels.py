@@ -9,7 +9,8 @@ slots with fp8 keys). Besides store, decode and dequantize as an engine calls th
 splits (merge_in_stage1: its atomic counters, both stage-1 kernels, ring or not), the store of Hadamard MSE keys
 by both kernels where it has two (tq_store_gluon, then tq_store), the tensor-core key store
 (its token threshold lowered on the module so this small ragged batch takes it), decode_multi at 3 tokens a
-sequence (validate=False: the sequences of 0 and 1 tokens give zeros for the tokens that see nothing),
+sequence and at 8 tokens x 4 heads (the warpgroup kernel where a module has it; validate=False: the sequences of 0
+and 1 tokens give zeros for the tokens that see nothing),
 decode_ragged, and dequantize of rotated keys.
 """
 
@@ -69,6 +70,11 @@ for path in paths:
     assert not merge_workspace.split_counters.any(), "a merging decode left a split counter set"
     multi_query = torch.randn(5, 3, 12, config.head_dim, device="cuda", dtype=torch.float16)
     module.decode_multi(multi_query, cache, batch.block_table, batch.seq_lens, validate=False, **kwargs)
+    # 8 tokens x 4 heads: 32 columns, the warpgroup kernel where the module has one (tq_decode_multi_stage1_wg)
+    wide_query = torch.randn(5, 8, 16, config.head_dim, device="cuda", dtype=torch.float16)
+    for num_splits in (1, 4):
+        module.decode_multi(wide_query, cache, batch.block_table, batch.seq_lens, validate=False,
+                            num_splits=num_splits, **kwargs)
     # Ragged: sequences of 1, 3, 2, 3 and 0 query tokens (the last sequence has none, like its cache).
     starts = torch.tensor([0, 1, 4, 6, 9, 9], dtype=torch.int32, device="cuda")
     module.decode_ragged(multi_query.flatten(0, 1)[:9], cache, batch.block_table, batch.seq_lens, starts, 3,

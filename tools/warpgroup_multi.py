@@ -159,7 +159,7 @@ def compile_only() -> None:
     import ptx_probe
     module = load_module("sm90")
     kernel = define_kernel(module)["tq_decode_multi_stage1_wg"]
-    for variant, q_len in [(variant, q_len) for variant in VARIANTS for q_len in (4, 8)]:
+    for variant, q_len in [(variant, q_len) for variant in VARIANTS for q_len in (1, 4, 8)]:
         constants = kernel_constants(module.PAGE_SIZE, 4, q_len, *variant[1:])
         # A launch's specializations: pointers and strides divisible by 16.
         compiled = ptx_probe._compile_sm90(kernel, constants, ptx_probe.POINTER_TYPES, ("stride_",), 4, 1,

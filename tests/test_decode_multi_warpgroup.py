@@ -1,0 +1,232 @@
+"""decode_multi's warpgroup stage 1 (Plan.multi_warpgroup, decode/multi_warpgroup.py.jinja): programs of 17-32 MMA
+columns (query tokens x heads) on one 4-warp wgmma program. Which configs render it and which calls take it run on
+the CPU; Gluon never runs in the interpreter, so the kernel compiles offline here and runs against the float64
+reference on a GPU (`pytest -m gpu`)."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, KernelRecorder, make_config, offline_compile_reports, replays_of_a_capture
+from test_decode_multi import check_decode_multi, multi_inputs, ragged_seq_lens
+import tqgen
+from tqgen import reference
+from tqgen.layout import Layout
+from tqgen.plan import Plan
+from tqgen.testing import DECODE_TOLERANCE, relative_error
+
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
+
+PENDING = "multi_warpgroup"  # plan.PENDING_KERNELS: rendered only where named until it has run on a GPU
+# (q_len, group size): 17-32 columns, padded to 32 where they are not a power of two
+WARPGROUP_CASES = [(8, 4), (5, 4), (3, 6), (4, 8), (3, 8), (2, 16)]
+
+
+@pytest.fixture(scope="module")
+def warpgroup_module(tmp_path_factory):
+    """k4v4 planes with the pending warpgroup kernel rendered, and its config."""
+    config = make_config("k4v4", cache_layout="planes")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TQGEN_PENDING_KERNELS", PENDING)
+        module = tqgen.load(config, tmp_path_factory.mktemp("warpgroup"))
+    return module, config
+
+
+def hopper(module, monkeypatch, sm_count=132):
+    """The module as on an H200 that runs Gluon, on any machine."""
+    monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)
+    monkeypatch.setattr(module, "_multi_wg_ready", lambda device: True)
+    monkeypatch.setattr(module, "_sm_count", lambda device: sm_count)
+
+
+def test_only_4_bit_symmetric_keys_with_4_bit_values_in_16_token_planes_render_it(monkeypatch):
+    monkeypatch.setenv("TQGEN_PENDING_KERNELS", PENDING)
+    cases = [(dict(preset="k4v4", cache_layout="planes"), True), (dict(preset="k4v4", cache_layout="slots"), False),
+             (dict(preset="k3v4", cache_layout="planes"), False), (dict(preset="k3v3", cache_layout="planes"), False),
+             (dict(preset="k8v4", cache_layout="planes", arch="sm90"), False),
+             (dict(preset="k4v4", cache_layout="planes", block_size=32), False),
+             (dict(preset="k4v4", cache_layout="planes", head_dim=64), False)]
+    for fields, expected in cases:
+        config = make_config(fields.pop("preset"), **fields)
+        assert Plan.from_config(config).multi_warpgroup == expected, config.name
+        assert Plan.from_config(config, pending=frozenset()).multi_warpgroup is False  # pending: only where named
+
+
+@pytest.mark.parametrize("q_len,group_size", WARPGROUP_CASES + [(4, 4), (8, 2), (2, 8), (5, 8), (3, 16)])
+def test_decode_multi_launch_takes_the_warpgroup_for_17_to_32_columns(warpgroup_module, monkeypatch, q_len,
+                                                                      group_size):
+    """17-32 columns take (64-token tiles, 4 warps, a ring of 3) and decode's splits, fewer where the programs
+    (sequences x KV heads) would pass two waves of 3 an SM; the default centroids only (a caller's codebook need
+    not be symmetric); at most 16 columns, or more than 32, the one-warp kernels' launch."""
+    module, _ = warpgroup_module
+    hopper(module, monkeypatch)
+    cpu = torch.device("cpu")
+    columns = q_len * group_size
+    for batch, context in [(1, 4096), (8, 8192), (32, 8192), (128, 16384)]:
+        launch = module.decode_multi_launch(batch, 8, group_size, q_len, context, cpu)
+        caller_codebook = module.decode_multi_launch(batch, 8, group_size, q_len, context, cpu,
+                                                     symmetric_codebook=False)
+        assert caller_codebook[1] == 1
+        if not 16 < columns <= 32:
+            assert launch == caller_codebook
+            continue
+        decode_splits = module.decode_launch(batch, 8, group_size, context, cpu)[3]
+        assert launch[:3] == (64, 4, 3)
+        assert 1 <= launch[3] <= decode_splits
+        assert launch[3] == 1 or batch * 8 * launch[3] <= 2 * 3 * 132
+        assert launch[3] == decode_splits or batch * 8 * (launch[3] + 1) > 2 * 3 * 132
+
+
+@pytest.mark.parametrize("own_centroids", [True, False])
+def test_decode_multi_launches_the_warpgroup_after_the_query_rotation(warpgroup_module, monkeypatch, own_centroids):
+    """The warpgroup kernel reads tq_prepare_query's query (a dependent launch at batch 1), one program per
+    (sequence, KV head, split) of 4 warps, then stage 2; a caller's centroids (the same values, another tensor)
+    take the one-warp kernel."""
+    module, config = warpgroup_module
+    hopper(module, monkeypatch)
+    monkeypatch.setattr(module, "_dependent_launch", lambda device: True)
+    warpgroup, one_warp, prepare, stage2 = KernelRecorder(), KernelRecorder(), KernelRecorder(), KernelRecorder()
+    monkeypatch.setattr(module, "tq_decode_multi_stage1_wg", warpgroup)
+    monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", one_warp)
+    monkeypatch.setattr(module, "tq_prepare_query", prepare)
+    monkeypatch.setattr(module, "tq_decode_stage2", stage2)
+    batch, cache, query, kwargs = multi_inputs(module, config, [40], "cpu", 8)
+    if not own_centroids:
+        kwargs["centroids"] = kwargs["centroids"].clone()
+    module.decode_multi(query, cache, batch.block_table, batch.seq_lens, num_splits=3, **kwargs)
+    assert len(prepare.launches) == 1 and len(stage2.launches) == 1
+    if not own_centroids:
+        assert not warpgroup.launches and len(one_warp.launches) == 1
+        return
+    assert not one_warp.launches
+    (grid, args, launch), = warpgroup.launches
+    assert grid == (1, 2, 3)
+    assert (launch["Q_LEN"], launch["GROUP_SIZE"], launch["BLOCK_H"], launch["BLOCK_KV"]) == (8, 4, 32, 64)
+    assert launch["num_warps"] == 4 and launch["STAGES"] == 3
+    assert launch["launch_pdl"] and launch["DEPENDENT_LAUNCH"]
+    assert args[0] is not query and args[0].dtype == torch.float16  # the prepared query
+    assert args[4] is kwargs["centroids"]
+
+
+_COMPILE_SCRIPT = """
+import json, os, sys, dataclasses, tempfile
+sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
+import ptx_probe, tqgen
+from tqgen import config as config_mod
+config = dataclasses.replace(config_mod.load("configs/k4v4-d128-planes.yaml"), arch="sm90")
+module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-multi-wg-"))
+for q_len, group_size in json.loads(sys.argv[1]):
+    compiled = ptx_probe.compile_multi_stage1_wg(module, group_size, q_len, dependent_launch=True)
+    ptx = compiled.asm["ptx"]
+    print(json.dumps(dict(wgmma=ptx.count("wgmma.mma_async"), shared_bytes=compiled.metadata.shared,
+                          registers=int(ptx_probe.ptxas_usage(ptx).split()[1]), stores=ptx.count("st.global.v4"))))
+"""
+
+
+def test_the_warpgroup_kernel_compiles_for_sm90():
+    """Each case compiles offline with 16 wgmma (scores^T: 128 head dims in 8 steps of 16; out^T: 64 tokens in 4
+    steps, for each of its two 64-row halves), a ring of 3 tiles (27 KB: 64 tokens x 140 bytes) beside Q^T, P and
+    the warps' maxes, at most 168 registers a lane (3 programs of 4 warps an SM, as _multi_wg_launch counts), and the
+    partials stored 16 bytes at a time (128 head dims x 32 columns over 128 lanes: 8 stores a lane)."""
+    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(WARPGROUP_CASES), timeout=600,
+                                      environment={"TQGEN_PENDING_KERNELS": PENDING})
+    assert len(reports) == len(WARPGROUP_CASES)
+    ring = 3 * 64 * (64 + 64 + 2 + 4)  # key words, value units, key norms, value scale-zeros
+    for case, report in zip(WARPGROUP_CASES, reports):
+        assert report["wgmma"] == 16, case
+        assert ring + 128 * 32 * 2 + 64 * 32 * 2 <= report["shared_bytes"] <= ring + 16 * 1024, (case, report)
+        assert report["registers"] <= 168, (case, report)
+        assert report["stores"] == 8, (case, report)
+
+
+# --- on the GPU --------------------------------------------------------------------------------------------------
+def spied(module, monkeypatch):
+    spy = KernelRecorder(module.tq_decode_multi_stage1_wg)
+    monkeypatch.setattr(module, "tq_decode_multi_stage1_wg", spy)
+    return spy
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("q_len,group_size", WARPGROUP_CASES)
+def test_the_warpgroup_kernel_matches_the_reference_on_the_gpu(warpgroup_module, monkeypatch, q_len, group_size):
+    """Ragged sequences whose causal limits fall at 1, below a page boundary and past several splits, and a long
+    one, at 1, 5 and 40 splits (some past the sequences' ends), fp32 and fp16 queries."""
+    module, config = warpgroup_module
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma: Hopper only")
+    spy = spied(module, monkeypatch)
+    for num_splits, dtype in ((1, torch.float32), (5, torch.float16), (40, torch.float32)):
+        check_decode_multi(module, config, "cuda", ragged_seq_lens(q_len) + [1000], q_len, group_size=group_size,
+                           dtype=dtype, num_splits=num_splits)
+    assert len(spy.launches) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_the_warpgroup_kernel_masks_pages_outside_the_cache(warpgroup_module, monkeypatch):
+    """validate=False with a block id outside the cache inside the first and second tiles: that page's tokens are
+    masked, and block 0, which such a page reads, holds NaN fields that must not leak into the output."""
+    module, config = warpgroup_module
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma: Hopper only")
+    spy = spied(module, monkeypatch)
+    batch, cache, query, kwargs = multi_inputs(module, config, [160, 160], "cuda", 8)
+    table = batch.block_table[:, :10].clone()
+    if (table == 0).any():  # block 0 becomes the masked pages' garbage: move its tokens to a spare block
+        spare = sorted(set(range(batch.num_blocks)) - set(table.flatten().tolist()))[0]
+        cache[spare] = cache[0]
+        table[table == 0] = spare
+    cache[0].fill_(0xFF)
+    for bad in (batch.num_blocks, -1, 2**31 - 1):
+        holed = table.clone()
+        holed[0, 1], holed[1, 6] = bad, bad  # positions 16-31 (first tile) and 96-111 (second)
+        out = module.decode_multi(query, cache, holed, batch.seq_lens, validate=False, num_splits=1, **kwargs)
+        assert torch.isfinite(out).all()
+        remaining = torch.stack([table[0, [0] + list(range(2, 10))], table[1, list(range(6)) + [7, 8, 9]]])
+        want = reference.decode_multi(Layout.from_config(config), query, cache, remaining, batch.seq_lens - 16,
+                                      kwargs.get("rotation"), kwargs.get("centroids"))
+        assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32], f"block id {bad}"
+    assert len(spy.launches) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_the_warpgroup_kernel_replays_in_a_cuda_graph(warpgroup_module, monkeypatch):
+    """Captured with a workspace, replayed for new queries, block tables and seq_lens (from q_len up)."""
+    module, config = warpgroup_module
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma: Hopper only")
+    spy = spied(module, monkeypatch)
+    kwargs = dict(rotation=module.default_rotation("cuda"), centroids=module.default_centroids("cuda"))
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    num_blocks, max_blocks, batch, q_len, heads = 64, 8, 4, 8, 8
+    cache = module.make_cache(num_blocks, 2, "cuda")
+    tokens = num_blocks * config.block_size
+    module.store(torch.randn(tokens, 2, 128, device="cuda", generator=generator),
+                 torch.randn(tokens, 2, 128, device="cuda", generator=generator),
+                 cache, torch.arange(tokens, device="cuda"), **kwargs)
+    query = torch.empty(batch, q_len, heads, 128, device="cuda")
+    block_table = torch.empty(batch, max_blocks, dtype=torch.int32, device="cuda")
+    seq_lens = torch.empty(batch, dtype=torch.int32, device="cuda")
+    out = torch.empty(batch, q_len, heads, 128, device="cuda")
+    workspace = module.DecodeWorkspace(batch, heads, 16, "cuda", max_q_len=q_len)
+
+    def fill(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        query.copy_(torch.randn(batch, q_len, heads, 128, device="cuda", generator=g))
+        block_table.copy_(torch.randperm(num_blocks, device="cuda", generator=g)[: batch * max_blocks]
+                          .view(batch, max_blocks).int())
+        seq_lens.copy_(torch.randint(q_len, max_blocks * config.block_size + 1, (batch,), device="cuda", generator=g))
+
+    def run():
+        module.decode_multi(query, cache, block_table, seq_lens, out=out, workspace=workspace, num_splits=4,
+                            **kwargs)
+
+    for _ in replays_of_a_capture(run, fill, out, seeds=(2, 3, 4)):
+        expected = reference.decode_multi(Layout.from_config(config), query, cache, block_table, seq_lens,
+                                          kwargs["rotation"], kwargs["centroids"])
+        assert torch.isfinite(out).all()
+        assert relative_error(out, expected) < DECODE_TOLERANCE[torch.float32]
+    assert spy.launches
