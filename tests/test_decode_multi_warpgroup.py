@@ -23,14 +23,22 @@ PENDING = "multi_warpgroup"  # plan.PENDING_KERNELS: rendered only where named u
 WARPGROUP_CASES = [(8, 4), (5, 4), (3, 6), (4, 8), (3, 8), (2, 16)]
 
 
+PRESETS = ["k4v4", "k3v4"]  # planes: 4-bit keys (the symmetric lookup) and split 3-bit keys, 4-bit values
+
+
 @pytest.fixture(scope="module")
-def warpgroup_module(tmp_path_factory):
-    """k4v4 planes with the pending warpgroup kernel rendered, and its config."""
-    config = make_config("k4v4", cache_layout="planes")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TQGEN_PENDING_KERNELS", PENDING)
-        module = tqgen.load(config, tmp_path_factory.mktemp("warpgroup"))
-    return module, config
+def warpgroup_modules(tmp_path_factory):
+    """warpgroup_modules(preset) -> (the planes module with the pending warpgroup kernel rendered, its config)."""
+    built = {}
+
+    def build(preset):
+        if preset not in built:
+            config = make_config(preset, cache_layout="planes")
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("TQGEN_PENDING_KERNELS", PENDING)
+                built[preset] = tqgen.load(config, tmp_path_factory.mktemp("warpgroup")), config
+        return built[preset]
+    return build
 
 
 def hopper(module, monkeypatch, sm_count=132):
@@ -40,10 +48,11 @@ def hopper(module, monkeypatch, sm_count=132):
     monkeypatch.setattr(module, "_sm_count", lambda device: sm_count)
 
 
-def test_only_4_bit_symmetric_keys_with_4_bit_values_in_16_token_planes_render_it(monkeypatch):
+def test_only_mse_keys_with_4_bit_values_in_16_token_planes_render_it(monkeypatch):
     monkeypatch.setenv("TQGEN_PENDING_KERNELS", PENDING)
     cases = [(dict(preset="k4v4", cache_layout="planes"), True), (dict(preset="k4v4", cache_layout="slots"), False),
-             (dict(preset="k3v4", cache_layout="planes"), False), (dict(preset="k3v3", cache_layout="planes"), False),
+             (dict(preset="k3v4", cache_layout="planes"), True), (dict(preset="k3v4", cache_layout="slots"), False),
+             (dict(preset="k3v3", cache_layout="planes"), False),
              (dict(preset="k8v4", cache_layout="planes", arch="sm90"), False),
              (dict(preset="k4v4", cache_layout="planes", block_size=32), False),
              (dict(preset="k4v4", cache_layout="planes", head_dim=64), False)]
@@ -54,12 +63,12 @@ def test_only_4_bit_symmetric_keys_with_4_bit_values_in_16_token_planes_render_i
 
 
 @pytest.mark.parametrize("q_len,group_size", WARPGROUP_CASES + [(4, 4), (8, 2), (2, 8), (5, 8), (3, 16)])
-def test_decode_multi_launch_takes_the_warpgroup_for_17_to_32_columns(warpgroup_module, monkeypatch, q_len,
+def test_decode_multi_launch_takes_the_warpgroup_for_17_to_32_columns(warpgroup_modules, monkeypatch, q_len,
                                                                       group_size):
     """17-32 columns take (64-token tiles, 4 warps, a ring of 3) and decode's splits, fewer where the programs
-    (sequences x KV heads) would pass two waves of 3 an SM; the default centroids only (a caller's codebook need
-    not be symmetric); at most 16 columns, or more than 32, the one-warp kernels' launch."""
-    module, _ = warpgroup_module
+    (sequences x KV heads) would pass two waves of 3 an SM; 4-bit keys with the default centroids only (a caller's
+    codebook need not be symmetric); at most 16 columns, or more than 32, the one-warp kernels' launch."""
+    module, _ = warpgroup_modules("k4v4")
     hopper(module, monkeypatch)
     cpu = torch.device("cpu")
     columns = q_len * group_size
@@ -79,11 +88,13 @@ def test_decode_multi_launch_takes_the_warpgroup_for_17_to_32_columns(warpgroup_
 
 
 @pytest.mark.parametrize("own_centroids", [True, False])
-def test_decode_multi_launches_the_warpgroup_after_the_query_rotation(warpgroup_module, monkeypatch, own_centroids):
+@pytest.mark.parametrize("preset", PRESETS)
+def test_decode_multi_launches_the_warpgroup_after_the_query_rotation(warpgroup_modules, monkeypatch, preset,
+                                                                      own_centroids):
     """The warpgroup kernel reads tq_prepare_query's query (a dependent launch at batch 1), one program per
     (sequence, KV head, split) of 4 warps, then stage 2; a caller's centroids (the same values, another tensor)
-    take the one-warp kernel."""
-    module, config = warpgroup_module
+    take the one-warp kernel where the keys' lookup needs a symmetric codebook (4 bits), not with 3-bit keys."""
+    module, config = warpgroup_modules(preset)
     hopper(module, monkeypatch)
     monkeypatch.setattr(module, "_dependent_launch", lambda device: True)
     warpgroup, one_warp, prepare, stage2 = KernelRecorder(), KernelRecorder(), KernelRecorder(), KernelRecorder()
@@ -96,7 +107,7 @@ def test_decode_multi_launches_the_warpgroup_after_the_query_rotation(warpgroup_
         kwargs["centroids"] = kwargs["centroids"].clone()
     module.decode_multi(query, cache, batch.block_table, batch.seq_lens, num_splits=3, **kwargs)
     assert len(prepare.launches) == 1 and len(stage2.launches) == 1
-    if not own_centroids:
+    if not own_centroids and preset == "k4v4":
         assert not warpgroup.launches and len(one_warp.launches) == 1
         return
     assert not one_warp.launches
@@ -114,9 +125,10 @@ import json, os, sys, dataclasses, tempfile
 sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
 import ptx_probe, tqgen
 from tqgen import config as config_mod
-config = dataclasses.replace(config_mod.load("configs/k4v4-d128-planes.yaml"), arch="sm90")
-module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-multi-wg-"))
-for q_len, group_size in json.loads(sys.argv[1]):
+folder = tempfile.mkdtemp(prefix="tqgen-multi-wg-")
+for stem, q_len, group_size in json.loads(sys.argv[1]):
+    config = dataclasses.replace(config_mod.load(f"configs/{stem}.yaml"), arch="sm90")
+    module = tqgen.load(config, folder)
     compiled = ptx_probe.compile_multi_stage1_wg(module, group_size, q_len, dependent_launch=True)
     ptx = compiled.asm["ptx"]
     print(json.dumps(dict(wgmma=ptx.count("wgmma.mma_async"), shared_bytes=compiled.metadata.shared,
@@ -126,14 +138,17 @@ for q_len, group_size in json.loads(sys.argv[1]):
 
 def test_the_warpgroup_kernel_compiles_for_sm90():
     """Each case compiles offline with 16 wgmma (scores^T: 128 head dims in 8 steps of 16; out^T: 64 tokens in 4
-    steps, for each of its two 64-row halves), a ring of 3 tiles (27 KB: 64 tokens x 140 bytes) beside Q^T, P and
+    steps, for each of its two 64-row halves), a ring of 3 tiles (64 tokens x 134 bytes, k4v4) beside Q^T, P and
     the warps' maxes, at most 168 registers a lane (3 programs of 4 warps an SM, as _multi_wg_launch counts), and the
     partials stored 16 bytes at a time (128 head dims x 32 columns over 128 lanes: 8 stores a lane)."""
-    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(WARPGROUP_CASES), timeout=600,
+    cases = [(f"{preset}-d128-planes", q_len, group_size) for preset in PRESETS for q_len, group_size in
+             WARPGROUP_CASES]
+    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600,
                                       environment={"TQGEN_PENDING_KERNELS": PENDING})
-    assert len(reports) == len(WARPGROUP_CASES)
-    ring = 3 * 64 * (64 + 64 + 2 + 4)  # key words, value units, key norms, value scale-zeros
-    for case, report in zip(WARPGROUP_CASES, reports):
+    assert len(reports) == len(cases)
+    for case, report in zip(cases, reports):
+        key_bytes = 64 if case[0].startswith("k4") else 48  # a token's key codes: 128 x 4 or 3 bits
+        ring = 3 * 64 * (key_bytes + 64 + 2 + 4)  # key codes, value units, key norms, value scale-zeros
         assert report["wgmma"] == 16, case
         assert ring + 128 * 32 * 2 + 64 * 32 * 2 <= report["shared_bytes"] <= ring + 16 * 1024, (case, report)
         assert report["registers"] <= 168, (case, report)
@@ -150,10 +165,12 @@ def spied(module, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("q_len,group_size", WARPGROUP_CASES)
-def test_the_warpgroup_kernel_matches_the_reference_on_the_gpu(warpgroup_module, monkeypatch, q_len, group_size):
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_warpgroup_kernel_matches_the_reference_on_the_gpu(warpgroup_modules, monkeypatch, preset, q_len,
+                                                               group_size):
     """Ragged sequences whose causal limits fall at 1, below a page boundary and past several splits, and a long
     one, at 1, 5 and 40 splits (some past the sequences' ends), fp32 and fp16 queries."""
-    module, config = warpgroup_module
+    module, config = warpgroup_modules(preset)
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma: Hopper only")
     spy = spied(module, monkeypatch)
@@ -165,10 +182,11 @@ def test_the_warpgroup_kernel_matches_the_reference_on_the_gpu(warpgroup_module,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_the_warpgroup_kernel_masks_pages_outside_the_cache(warpgroup_module, monkeypatch):
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_warpgroup_kernel_masks_pages_outside_the_cache(warpgroup_modules, monkeypatch, preset):
     """validate=False with a block id outside the cache inside the first and second tiles: that page's tokens are
     masked, and block 0, which such a page reads, holds NaN fields that must not leak into the output."""
-    module, config = warpgroup_module
+    module, config = warpgroup_modules(preset)
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma: Hopper only")
     spy = spied(module, monkeypatch)
@@ -193,9 +211,10 @@ def test_the_warpgroup_kernel_masks_pages_outside_the_cache(warpgroup_module, mo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_the_warpgroup_kernel_replays_in_a_cuda_graph(warpgroup_module, monkeypatch):
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_warpgroup_kernel_replays_in_a_cuda_graph(warpgroup_modules, monkeypatch, preset):
     """Captured with a workspace, replayed for new queries, block tables and seq_lens (from q_len up)."""
-    module, config = warpgroup_module
+    module, config = warpgroup_modules(preset)
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma: Hopper only")
     spy = spied(module, monkeypatch)

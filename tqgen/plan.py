@@ -252,12 +252,22 @@ class Plan:
 
     @property
     def multi_warpgroup(self) -> bool:
-        """decode_multi's programs of 17-32 MMA columns run on one warpgroup (decode/multi_warpgroup.py.jinja):
-        4-bit MSE keys with the symmetric lookup, 4-bit values, planes, head_dim 128, 16-token pages (a 64-token tile
-        is a page a warp). A pending kernel (PENDING_KERNELS) until it has run on a GPU."""
+        """decode_multi's programs of 17-32 MMA columns run on one warpgroup (decode/multi_warpgroup.py.jinja): MSE
+        keys of 4 bits (the symmetric lookup) or split 3 bits, 4-bit values (16-bit units of 4 codes, a lane's share
+        of out^T's rows), planes, head_dim 128, 16-token pages (a 64-token tile is a page a warp). A pending kernel
+        (PENDING_KERNELS) until it has run on a GPU."""
         layout = self.layout
-        return (self.renders("multi_warpgroup") and self.symmetric_key_lookup and layout.planes
-                and layout.value_bits == 4 and layout.head_dim == 128 and layout.page_size == 16)
+        keys_ok = self.symmetric_key_lookup or (self.mma_stage1 and not layout.key_fp8 and self.key_codes.split)
+        return (self.renders("multi_warpgroup") and keys_ok and layout.planes and layout.value_bits == 4
+                and layout.head_dim == 128 and layout.page_size == 16)
+
+    @property
+    def multi_warpgroup_ring_fields(self) -> list[RingField]:
+        """What the warpgroup kernel's ring copies per tile: ring_fields, but the value codes as 16-bit units (4
+        codes each; warp w decodes units 8w..8w + 7 of every token)."""
+        value = self.ring_field("value")
+        units = dataclasses.replace(value, dtype="gl.int16", unit_bytes=2, units=value.units * 2)
+        return [units if field.name == "value" else field for field in self.ring_fields]
 
     @property
     def hadamard_keys(self) -> bool:
