@@ -23,6 +23,9 @@ PENDING = "multi_warpgroup"  # plan.PENDING_KERNELS: rendered only where named u
 WARPGROUP_CASES = [(8, 4), (5, 4), (3, 6), (4, 8), (3, 8), (2, 16)]
 
 
+# The warpgroup kernel's launch (decode_multi_launch gives it from 64 (sequence, KV head) pairs up; these small
+# batches pass it)
+WARPGROUP_LAUNCH = dict(block_kv=64, num_warps=4, num_stages=3)
 PRESETS = ["k4v4", "k3v4"]  # planes: 4-bit keys (the symmetric lookup) and split 3-bit keys, 4-bit values
 
 
@@ -65,26 +68,27 @@ def test_only_mse_keys_with_4_bit_values_in_16_token_planes_render_it(monkeypatc
 @pytest.mark.parametrize("q_len,group_size", WARPGROUP_CASES + [(4, 4), (8, 2), (2, 8), (5, 8), (3, 16)])
 def test_decode_multi_launch_takes_the_warpgroup_for_17_to_32_columns(warpgroup_modules, monkeypatch, q_len,
                                                                       group_size):
-    """17-32 columns take (64-token tiles, 4 warps, a ring of 3) and decode's splits, fewer where the programs
-    (sequences x KV heads) would pass two waves of 3 an SM; 4-bit keys with the default centroids only (a caller's
-    codebook need not be symmetric); at most 16 columns, or more than 32, the one-warp kernels' launch."""
+    """17-32 columns from 64 (sequence, KV head) pairs up take (64-token tiles, 4 warps, a ring of 3) and about 2
+    programs an SM, at most decode's splits; 4-bit keys with the default centroids only (a caller's codebook need
+    not be symmetric); at most 16 columns, more than 32, or fewer pairs, the one-warp kernels' launch."""
     module, _ = warpgroup_modules("k4v4")
     hopper(module, monkeypatch)
     cpu = torch.device("cpu")
     columns = q_len * group_size
-    for batch, context in [(1, 4096), (8, 8192), (32, 8192), (128, 16384)]:
+    for batch, context in [(1, 4096), (7, 8192), (8, 8192), (32, 8192), (128, 16384)]:
         launch = module.decode_multi_launch(batch, 8, group_size, q_len, context, cpu)
         caller_codebook = module.decode_multi_launch(batch, 8, group_size, q_len, context, cpu,
                                                      symmetric_codebook=False)
         assert caller_codebook[1] == 1
-        if not 16 < columns <= 32:
+        if not 16 < columns <= 32 or batch * 8 < 64:
             assert launch == caller_codebook
             continue
         decode_splits = module.decode_launch(batch, 8, group_size, context, cpu)[3]
         assert launch[:3] == (64, 4, 3)
-        assert 1 <= launch[3] <= decode_splits
-        assert launch[3] == 1 or batch * 8 * launch[3] <= 2 * 3 * 132
-        assert launch[3] == decode_splits or batch * 8 * (launch[3] + 1) > 2 * 3 * 132
+        assert launch[3] == max(1, min(decode_splits, -(-2 * 132 // (batch * 8))))
+    if 16 < columns <= 32:  # the timed shapes' split counts
+        assert module.decode_multi_launch(32, 8, group_size, q_len, 8192, cpu)[3] == 2
+        assert module.decode_multi_launch(8, 8, group_size, q_len, 8192, cpu)[3] == 5
 
 
 @pytest.mark.parametrize("own_centroids", [True, False])
@@ -105,6 +109,7 @@ def test_decode_multi_launches_the_warpgroup_after_the_query_rotation(warpgroup_
     batch, cache, query, kwargs = multi_inputs(module, config, [40], "cpu", 8)
     if not own_centroids:
         kwargs["centroids"] = kwargs["centroids"].clone()
+    monkeypatch.setattr(module, "_WG_MIN_PROGRAMS", 1)  # one sequence of 2 KV heads takes it too
     module.decode_multi(query, cache, batch.block_table, batch.seq_lens, num_splits=3, **kwargs)
     assert len(prepare.launches) == 1 and len(stage2.launches) == 1
     if not own_centroids and preset == "k4v4":
@@ -176,7 +181,7 @@ def test_the_warpgroup_kernel_matches_the_reference_on_the_gpu(warpgroup_modules
     spy = spied(module, monkeypatch)
     for num_splits, dtype in ((1, torch.float32), (5, torch.float16), (40, torch.float32)):
         check_decode_multi(module, config, "cuda", ragged_seq_lens(q_len) + [1000], q_len, group_size=group_size,
-                           dtype=dtype, num_splits=num_splits)
+                           dtype=dtype, num_splits=num_splits, **WARPGROUP_LAUNCH)
     assert len(spy.launches) == 3
 
 
@@ -200,7 +205,8 @@ def test_the_warpgroup_kernel_masks_pages_outside_the_cache(warpgroup_modules, m
     for bad in (batch.num_blocks, -1, 2**31 - 1):
         holed = table.clone()
         holed[0, 1], holed[1, 6] = bad, bad  # positions 16-31 (first tile) and 96-111 (second)
-        out = module.decode_multi(query, cache, holed, batch.seq_lens, validate=False, num_splits=1, **kwargs)
+        out = module.decode_multi(query, cache, holed, batch.seq_lens, validate=False, num_splits=1, **kwargs,
+                                  **WARPGROUP_LAUNCH)
         assert torch.isfinite(out).all()
         remaining = torch.stack([table[0, [0] + list(range(2, 10))], table[1, list(range(6)) + [7, 8, 9]]])
         want = reference.decode_multi(Layout.from_config(config), query, cache, remaining, batch.seq_lens - 16,
@@ -241,7 +247,7 @@ def test_the_warpgroup_kernel_replays_in_a_cuda_graph(warpgroup_modules, monkeyp
 
     def run():
         module.decode_multi(query, cache, block_table, seq_lens, out=out, workspace=workspace, num_splits=4,
-                            **kwargs)
+                            **kwargs, **WARPGROUP_LAUNCH)
 
     for _ in replays_of_a_capture(run, fill, out, seeds=(2, 3, 4)):
         expected = reference.decode_multi(Layout.from_config(config), query, cache, block_table, seq_lens,
