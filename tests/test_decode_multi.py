@@ -347,10 +347,13 @@ def test_decode_multi_takes_the_gluon_kernel_where_it_can(build_module, monkeypa
 
 
 def wide_launch_module(build_module, monkeypatch, preset, sm_count=132):
-    """A planes module as on an H200 (132 SMs) whose GPU runs the Gluon kernel, on any machine."""
+    """A planes module as on an H200 (132 SMs) whose GPU runs the one-warp Gluon kernel, on any machine (the
+    warpgroup kernel of 17-32 columns held off: test_decode_multi_warpgroup.py has its launches)."""
     config = make_config(preset, cache_layout="planes", **({"arch": "sm90"} if preset == "k8v4" else {}))
     module = build_module(config)
     monkeypatch.setattr(module, "_mma_stage1_ready", lambda device: True)
+    if hasattr(module, "_multi_wg_ready"):
+        monkeypatch.setattr(module, "_multi_wg_ready", lambda device: False)
     monkeypatch.setattr(module, "_sm_count", lambda device: sm_count)
     return module
 

@@ -10,37 +10,27 @@ import torch
 
 from conftest import HAS_CUDA, KernelRecorder, make_config, offline_compile_reports, replays_of_a_capture
 from test_decode_multi import check_decode_multi, multi_inputs, ragged_seq_lens
-import tqgen
-from tqgen import reference
+from tqgen import reference, render
 from tqgen.layout import Layout
 from tqgen.plan import Plan
 from tqgen.testing import DECODE_TOLERANCE, relative_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
 
-PENDING = "multi_warpgroup"  # plan.PENDING_KERNELS: rendered only where named until it has run on a GPU
 # (q_len, group size): 17-32 columns, padded to 32 where they are not a power of two
 WARPGROUP_CASES = [(8, 4), (5, 4), (3, 6), (4, 8), (3, 8), (2, 16)]
-
-
 # The warpgroup kernel's launch (decode_multi_launch gives it from 64 (sequence, KV head) pairs up; these small
 # batches pass it)
 WARPGROUP_LAUNCH = dict(block_kv=64, num_warps=4, num_stages=3)
 PRESETS = ["k4v4", "k3v4"]  # planes: 4-bit keys (the symmetric lookup) and split 3-bit keys, 4-bit values
 
 
-@pytest.fixture(scope="module")
-def warpgroup_modules(tmp_path_factory):
-    """warpgroup_modules(preset) -> (the planes module with the pending warpgroup kernel rendered, its config)."""
-    built = {}
-
+@pytest.fixture
+def warpgroup_modules(build_module):
+    """warpgroup_modules(preset) -> (the planes module, its config)."""
     def build(preset):
-        if preset not in built:
-            config = make_config(preset, cache_layout="planes")
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setenv("TQGEN_PENDING_KERNELS", PENDING)
-                built[preset] = tqgen.load(config, tmp_path_factory.mktemp("warpgroup")), config
-        return built[preset]
+        config = make_config(preset, cache_layout="planes")
+        return build_module(config), config
     return build
 
 
@@ -51,8 +41,7 @@ def hopper(module, monkeypatch, sm_count=132):
     monkeypatch.setattr(module, "_sm_count", lambda device: sm_count)
 
 
-def test_only_mse_keys_with_4_bit_values_in_16_token_planes_render_it(monkeypatch):
-    monkeypatch.setenv("TQGEN_PENDING_KERNELS", PENDING)
+def test_only_mse_keys_with_4_bit_values_in_16_token_planes_render_it():
     cases = [(dict(preset="k4v4", cache_layout="planes"), True), (dict(preset="k4v4", cache_layout="slots"), False),
              (dict(preset="k3v4", cache_layout="planes"), True), (dict(preset="k3v4", cache_layout="slots"), False),
              (dict(preset="k3v3", cache_layout="planes"), False),
@@ -62,7 +51,7 @@ def test_only_mse_keys_with_4_bit_values_in_16_token_planes_render_it(monkeypatc
     for fields, expected in cases:
         config = make_config(fields.pop("preset"), **fields)
         assert Plan.from_config(config).multi_warpgroup == expected, config.name
-        assert Plan.from_config(config, pending=frozenset()).multi_warpgroup is False  # pending: only where named
+        assert ("def tq_decode_multi_stage1_wg(" in render.render(config)) == expected, config.name
 
 
 @pytest.mark.parametrize("q_len,group_size", WARPGROUP_CASES + [(4, 4), (8, 2), (2, 8), (5, 8), (3, 16)])
@@ -148,8 +137,7 @@ def test_the_warpgroup_kernel_compiles_for_sm90():
     partials stored 16 bytes at a time (128 head dims x 32 columns over 128 lanes: 8 stores a lane)."""
     cases = [(f"{preset}-d128-planes", q_len, group_size) for preset in PRESETS for q_len, group_size in
              WARPGROUP_CASES]
-    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600,
-                                      environment={"TQGEN_PENDING_KERNELS": PENDING})
+    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600)
     assert len(reports) == len(cases)
     for case, report in zip(cases, reports):
         key_bytes = 64 if case[0].startswith("k4") else 48  # a token's key codes: 128 x 4 or 3 bits

@@ -57,9 +57,7 @@ MAX_NUM_WARPS = 32
 # "Kernels waiting for a re-tune"), so that they are kept and tested meanwhile. Every module renders without them
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
-PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
-    "multi_warpgroup": "decode_multi's 17-32 column programs on one warpgroup (k4v4 planes; not yet run on a GPU)",
-}
+PENDING_KERNELS: dict[str, str] = {}  # name -> what it changes (docs/tuning.md)
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
 # files spell them) render it without TQGEN_PENDING_KERNELS. Landing its last format removes its entries here and
@@ -254,12 +252,11 @@ class Plan:
     def multi_warpgroup(self) -> bool:
         """decode_multi's programs of 17-32 MMA columns run on one warpgroup (decode/multi_warpgroup.py.jinja): MSE
         keys of 4 bits (the symmetric lookup) or split 3 bits, 4-bit values (16-bit units of 4 codes, a lane's share
-        of out^T's rows), planes, head_dim 128, 16-token pages (a 64-token tile is a page a warp). A pending kernel
-        (PENDING_KERNELS) until it has run on a GPU."""
+        of out^T's rows), planes, head_dim 128, 16-token pages (a 64-token tile is a page a warp)."""
         layout = self.layout
         keys_ok = self.symmetric_key_lookup or (self.mma_stage1 and not layout.key_fp8 and self.key_codes.split)
-        return (self.renders("multi_warpgroup") and keys_ok and layout.planes and layout.value_bits == 4
-                and layout.head_dim == 128 and layout.page_size == 16)
+        return (keys_ok and layout.planes and layout.value_bits == 4 and layout.head_dim == 128
+                and layout.page_size == 16)
 
     @property
     def multi_warpgroup_ring_fields(self) -> list[RingField]:
