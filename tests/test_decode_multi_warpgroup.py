@@ -19,7 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in lo
 
 # (q_len, group size): 17-32 columns, padded to 32 where they are not a power of two
 WARPGROUP_CASES = [(8, 4), (5, 4), (3, 6), (4, 8), (3, 8), (2, 16)]
-# The warpgroup kernel's launch (decode_multi_launch gives it from 64 (sequence, KV head) pairs up; these small
+# The warpgroup kernel's launch (decode_multi_launch gives it from 16 (sequence, KV head) pairs up; these small
 # batches pass it)
 WARPGROUP_LAUNCH = dict(block_kv=64, num_warps=4, num_stages=3)
 PRESETS = ["k4v4", "k3v4"]  # planes: 4-bit keys (the symmetric lookup) and split 3-bit keys, 4-bit values
@@ -57,27 +57,27 @@ def test_only_mse_keys_with_4_bit_values_in_16_token_planes_render_it():
 @pytest.mark.parametrize("q_len,group_size", WARPGROUP_CASES + [(4, 4), (8, 2), (2, 8), (5, 8), (3, 16)])
 def test_decode_multi_launch_takes_the_warpgroup_for_17_to_32_columns(warpgroup_modules, monkeypatch, q_len,
                                                                       group_size):
-    """17-32 columns from 64 (sequence, KV head) pairs up take (64-token tiles, 4 warps, a ring of 3) and about 2
+    """17-32 columns from 16 (sequence, KV head) pairs up take (64-token tiles, 4 warps, a ring of 3) and about 2
     programs an SM, at most decode's splits; 4-bit keys with the default centroids only (a caller's codebook need
     not be symmetric); at most 16 columns, more than 32, or fewer pairs, the one-warp kernels' launch."""
     module, _ = warpgroup_modules("k4v4")
     hopper(module, monkeypatch)
     cpu = torch.device("cpu")
     columns = q_len * group_size
-    for batch, context in [(1, 4096), (7, 8192), (8, 8192), (32, 8192), (128, 16384)]:
+    for batch, context in [(1, 4096), (1, 8192), (2, 8192), (8, 8192), (32, 8192), (128, 16384)]:
         launch = module.decode_multi_launch(batch, 8, group_size, q_len, context, cpu)
         caller_codebook = module.decode_multi_launch(batch, 8, group_size, q_len, context, cpu,
                                                      symmetric_codebook=False)
         assert caller_codebook[1] == 1
-        if not 16 < columns <= 32 or batch * 8 < 64:
+        if not 16 < columns <= 32 or batch * 8 < 16:
             assert launch == caller_codebook
             continue
         decode_splits = module.decode_launch(batch, 8, group_size, context, cpu)[3]
         assert launch[:3] == (64, 4, 3)
-        assert launch[3] == max(1, min(decode_splits, -(-2 * 132 // (batch * 8))))
-    if 16 < columns <= 32:  # the timed shapes' split counts
-        assert module.decode_multi_launch(32, 8, group_size, q_len, 8192, cpu)[3] == 2
-        assert module.decode_multi_launch(8, 8, group_size, q_len, 8192, cpu)[3] == 5
+        assert launch[3] == max(1, min(decode_splits, 2 * 132 // (batch * 8)))
+    if 16 < columns <= 32:  # the timed shapes' best split counts
+        for batch, splits in [(32, 1), (16, 2), (8, 4), (4, 8), (2, 16)]:
+            assert module.decode_multi_launch(batch, 8, group_size, q_len, 8192, cpu)[3] == splits
 
 
 @pytest.mark.parametrize("own_centroids", [True, False])
