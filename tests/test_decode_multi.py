@@ -543,6 +543,32 @@ def test_the_gluon_multi_token_kernel_on_the_gpu(build_module, monkeypatch, pres
     assert len(spy.launches) == 2
 
 
+def check_pages_outside_the_cache(module, config, pages, holes, q_len, **launch):
+    """Two sequences of `pages` full pages, decode_multi with validate=False and the block id at column holes[b] of
+    sequence b outside the cache (three ways): that page's tokens are masked, and block 0, which such a page reads
+    and which holds NaN fields here, does not leak into the output (the reference runs on the remaining pages)."""
+    seq_len = pages * config.block_size
+    batch, cache, query, kwargs = multi_inputs(module, config, [seq_len, seq_len], "cuda", q_len)
+    table = batch.block_table[:, :pages].clone()
+    if (table == 0).any():  # block 0 becomes the masked pages' garbage: move its tokens to a spare block
+        spare = sorted(set(range(batch.num_blocks)) - set(table.flatten().tolist()))[0]
+        cache[spare] = cache[0]
+        table[table == 0] = spare
+    cache[0].fill_(0xFF)
+    kept = [[column for column in range(pages) if column != hole] for hole in holes]
+    remaining = torch.stack([table[b, kept[b]] for b in range(2)])
+    for bad in (batch.num_blocks, -1, 2**31 - 1):
+        holed = table.clone()
+        holed[0, holes[0]], holed[1, holes[1]] = bad, bad
+        out = module.decode_multi(query, cache, holed, batch.seq_lens, validate=False, num_splits=1, **kwargs,
+                                  **launch)
+        assert torch.isfinite(out).all()
+        want = reference.decode_multi(Layout.from_config(config), query, cache, remaining,
+                                      batch.seq_lens - config.block_size, kwargs.get("rotation"),
+                                      kwargs.get("centroids"))
+        assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32], f"block id {bad}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("num_stages", [1, 2, 3])
@@ -558,36 +584,17 @@ def test_the_gluon_multi_token_kernel_masks_pages_outside_the_cache(build_module
     module = build_module(config)
     spy = KernelRecorder(module.tq_decode_multi_stage1_mma)
     monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", spy)
-    batch, cache, query, kwargs = multi_inputs(module, config, [96, 96], "cuda", 4)
-    table = batch.block_table[:, :6].clone()
-    if (table == 0).any():  # block 0 becomes the masked pages' garbage: move its tokens to a spare block
-        spare = sorted(set(range(batch.num_blocks)) - set(table.flatten().tolist()))[0]
-        cache[spare] = cache[0]
-        table[table == 0] = spare
-    cache[0].fill_(0xFF)
-    layout_ = Layout.from_config(config)
-    for bad in (batch.num_blocks, -1, 2**31 - 1):
-        holed = table.clone()
-        holed[0, 1], holed[1, 3] = bad, bad  # positions 16-31 and 48-63, inside the first and second tiles
-        out = module.decode_multi(query, cache, holed, batch.seq_lens, validate=False, num_warps=1, block_kv=32,
-                                  num_splits=1, num_stages=num_stages, **kwargs)
-        assert torch.isfinite(out).all()
-        remaining = torch.stack([table[0, [0, 2, 3, 4, 5]], table[1, [0, 1, 2, 4, 5]]])
-        want = reference.decode_multi(layout_, query, cache, remaining, batch.seq_lens - 16, kwargs.get("rotation"),
-                                      kwargs.get("centroids"))
-        assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32], f"block id {bad}"
+    # positions 16-31 and 48-63, inside the first and second tiles
+    check_pages_outside_the_cache(module, config, 6, (1, 3), 4, num_warps=1, block_kv=32, num_stages=num_stages)
     assert len(spy.launches) == 3
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("preset,layout", [("k3v4", "planes"), ("k8v4", "planes"), ("k4v4", "slots")])
-def test_decode_multi_captured_in_a_cuda_graph_replays_for_new_batch_contents(build_module, preset, layout):
-    config = make_config(preset, cache_layout=layout)
-    module = build_module(config)
+def check_graph_replays(module, config, q_len, num_splits, **launch):
+    """decode_multi captured with a workspace and `out` in a CUDA graph, replayed for new queries, block tables and
+    seq_lens (from q_len up): each replay equals an eager call and matches the reference."""
     kwargs = codebook_kwargs(module, config, "cuda")
     generator = torch.Generator(device="cuda").manual_seed(0)
-    num_blocks, max_blocks, batch, q_len, heads = 64, 8, 4, 4, 8
+    num_blocks, max_blocks, batch, heads = 64, 8, 4, 8
     cache = module.make_cache(num_blocks, 2, "cuda")
     tokens = num_blocks * config.block_size
     module.store(torch.randn(tokens, 2, 128, device="cuda", generator=generator),
@@ -607,16 +614,24 @@ def test_decode_multi_captured_in_a_cuda_graph_replays_for_new_batch_contents(bu
         seq_lens.copy_(torch.randint(q_len, max_blocks * config.block_size + 1, (batch,), device="cuda", generator=g))
 
     def run():
-        module.decode_multi(query, cache, block_table, seq_lens, out=out, workspace=workspace, num_splits=16,
-                            **kwargs)
+        module.decode_multi(query, cache, block_table, seq_lens, out=out, workspace=workspace, num_splits=num_splits,
+                            **kwargs, **launch)
 
     for _ in replays_of_a_capture(run, fill, out, seeds=(2, 3, 4)):
-        want = module.decode_multi(query, cache, block_table, seq_lens, num_splits=16, **kwargs)
+        want = module.decode_multi(query, cache, block_table, seq_lens, num_splits=num_splits, **kwargs, **launch)
         assert torch.isfinite(out).all()
         assert relative_error(out, want) < 1e-6
         expected = reference.decode_multi(Layout.from_config(config), query, cache, block_table, seq_lens,
                                           kwargs.get("rotation"), kwargs.get("centroids"))
         assert relative_error(out, expected) < DECODE_TOLERANCE[torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("preset,layout", [("k3v4", "planes"), ("k8v4", "planes"), ("k4v4", "slots")])
+def test_decode_multi_captured_in_a_cuda_graph_replays_for_new_batch_contents(build_module, preset, layout):
+    config = make_config(preset, cache_layout=layout)
+    check_graph_replays(build_module(config), config, 4, 16)
 
 
 # --- decode_ragged: vLLM's ragged batches (query_start_loc) ------------------------------------------------------

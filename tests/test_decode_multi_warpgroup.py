@@ -8,12 +8,11 @@ import json
 import pytest
 import torch
 
-from conftest import HAS_CUDA, KernelRecorder, make_config, offline_compile_reports, replays_of_a_capture
-from test_decode_multi import check_decode_multi, multi_inputs, ragged_seq_lens
-from tqgen import reference, render
-from tqgen.layout import Layout
+from conftest import HAS_CUDA, KernelRecorder, make_config, offline_compile_reports
+from test_decode_multi import (check_decode_multi, check_graph_replays, check_pages_outside_the_cache, multi_inputs,
+                               ragged_seq_lens)
+from tqgen import render
 from tqgen.plan import Plan
-from tqgen.testing import DECODE_TOLERANCE, relative_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
 
@@ -183,23 +182,8 @@ def test_the_warpgroup_kernel_masks_pages_outside_the_cache(warpgroup_modules, m
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma: Hopper only")
     spy = spied(module, monkeypatch)
-    batch, cache, query, kwargs = multi_inputs(module, config, [160, 160], "cuda", 8)
-    table = batch.block_table[:, :10].clone()
-    if (table == 0).any():  # block 0 becomes the masked pages' garbage: move its tokens to a spare block
-        spare = sorted(set(range(batch.num_blocks)) - set(table.flatten().tolist()))[0]
-        cache[spare] = cache[0]
-        table[table == 0] = spare
-    cache[0].fill_(0xFF)
-    for bad in (batch.num_blocks, -1, 2**31 - 1):
-        holed = table.clone()
-        holed[0, 1], holed[1, 6] = bad, bad  # positions 16-31 (first tile) and 96-111 (second)
-        out = module.decode_multi(query, cache, holed, batch.seq_lens, validate=False, num_splits=1, **kwargs,
-                                  **WARPGROUP_LAUNCH)
-        assert torch.isfinite(out).all()
-        remaining = torch.stack([table[0, [0] + list(range(2, 10))], table[1, list(range(6)) + [7, 8, 9]]])
-        want = reference.decode_multi(Layout.from_config(config), query, cache, remaining, batch.seq_lens - 16,
-                                      kwargs.get("rotation"), kwargs.get("centroids"))
-        assert relative_error(out, want) < DECODE_TOLERANCE[torch.float32], f"block id {bad}"
+    # positions 16-31 (first tile) and 96-111 (second)
+    check_pages_outside_the_cache(module, config, 10, (1, 6), 8, **WARPGROUP_LAUNCH)
     assert len(spy.launches) == 3
 
 
@@ -212,34 +196,5 @@ def test_the_warpgroup_kernel_replays_in_a_cuda_graph(warpgroup_modules, monkeyp
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma: Hopper only")
     spy = spied(module, monkeypatch)
-    kwargs = dict(rotation=module.default_rotation("cuda"), centroids=module.default_centroids("cuda"))
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    num_blocks, max_blocks, batch, q_len, heads = 64, 8, 4, 8, 8
-    cache = module.make_cache(num_blocks, 2, "cuda")
-    tokens = num_blocks * config.block_size
-    module.store(torch.randn(tokens, 2, 128, device="cuda", generator=generator),
-                 torch.randn(tokens, 2, 128, device="cuda", generator=generator),
-                 cache, torch.arange(tokens, device="cuda"), **kwargs)
-    query = torch.empty(batch, q_len, heads, 128, device="cuda")
-    block_table = torch.empty(batch, max_blocks, dtype=torch.int32, device="cuda")
-    seq_lens = torch.empty(batch, dtype=torch.int32, device="cuda")
-    out = torch.empty(batch, q_len, heads, 128, device="cuda")
-    workspace = module.DecodeWorkspace(batch, heads, 16, "cuda", max_q_len=q_len)
-
-    def fill(seed):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        query.copy_(torch.randn(batch, q_len, heads, 128, device="cuda", generator=g))
-        block_table.copy_(torch.randperm(num_blocks, device="cuda", generator=g)[: batch * max_blocks]
-                          .view(batch, max_blocks).int())
-        seq_lens.copy_(torch.randint(q_len, max_blocks * config.block_size + 1, (batch,), device="cuda", generator=g))
-
-    def run():
-        module.decode_multi(query, cache, block_table, seq_lens, out=out, workspace=workspace, num_splits=4,
-                            **kwargs, **WARPGROUP_LAUNCH)
-
-    for _ in replays_of_a_capture(run, fill, out, seeds=(2, 3, 4)):
-        expected = reference.decode_multi(Layout.from_config(config), query, cache, block_table, seq_lens,
-                                          kwargs["rotation"], kwargs["centroids"])
-        assert torch.isfinite(out).all()
-        assert relative_error(out, expected) < DECODE_TOLERANCE[torch.float32]
+    check_graph_replays(module, config, 8, 4, **WARPGROUP_LAUNCH)
     assert spy.launches
