@@ -119,10 +119,10 @@ sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
 import ptx_probe, tqgen
 from tqgen import config as config_mod
 folder = tempfile.mkdtemp(prefix="tqgen-multi-wg-")
-for stem, q_len, group_size in json.loads(sys.argv[1]):
+for stem, q_len, group_size, block_kv in json.loads(sys.argv[1]):
     config = dataclasses.replace(config_mod.load(f"configs/{stem}.yaml"), arch="sm90")
     module = tqgen.load(config, folder)
-    compiled = ptx_probe.compile_multi_stage1_wg(module, group_size, q_len, dependent_launch=True)
+    compiled = ptx_probe.compile_multi_stage1_wg(module, group_size, q_len, dependent_launch=True, block_kv=block_kv)
     ptx = compiled.asm["ptx"]
     print(json.dumps(dict(wgmma=ptx.count("wgmma.mma_async"), shared_bytes=compiled.metadata.shared,
                           registers=int(ptx_probe.ptxas_usage(ptx).split()[1]), stores=ptx.count("st.global.v4"))))
@@ -130,20 +130,25 @@ for stem, q_len, group_size in json.loads(sys.argv[1]):
 
 
 def test_the_warpgroup_kernel_compiles_for_sm90():
-    """Each case compiles offline with 16 wgmma (scores^T: 128 head dims in 8 steps of 16; out^T: 64 tokens in 4
-    steps, for each of its two 64-row halves), a ring of 3 tiles (64 tokens x 134 bytes, k4v4) beside Q^T, P and
-    the warps' maxes, at most 168 registers a lane (3 programs of 4 warps an SM, as _multi_wg_launch counts), and the
-    partials stored 16 bytes at a time (128 head dims x 32 columns over 128 lanes: 8 stores a lane)."""
-    cases = [(f"{preset}-d128-planes", q_len, group_size) for preset in PRESETS for q_len, group_size in
-             WARPGROUP_CASES]
+    """Each case compiles offline with 16 wgmma a 64-token tile (scores^T: 128 head dims in 8 steps of 16 for each
+    64 rows; out^T: 64 tokens in 4 steps, for each of its two 64-row halves) and 32 a 128-token tile, a ring of 3
+    tiles (64 or 128 tokens x 134 bytes, k4v4) beside Q^T, P and the warps' maxes, the partials stored 16 bytes at
+    a time (128 head dims x 32 columns over 128 lanes: 8 stores a lane), and at most 168 registers a lane at
+    64-token tiles (3 programs of 4 warps an SM), 255 at 128 (2 an SM, as many as _multi_wg_launch asks for)."""
+    cases = [(f"{preset}-d128-planes", q_len, group_size, 64) for preset in PRESETS
+             for q_len, group_size in WARPGROUP_CASES]
+    cases += [(f"{preset}-d128-planes", 8, 4, 128) for preset in PRESETS]
     reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600)
     assert len(reports) == len(cases)
     for case, report in zip(cases, reports):
+        block_kv = case[3]
         key_bytes = 64 if case[0].startswith("k4") else 48  # a token's key codes: 128 x 4 or 3 bits
-        ring = 3 * 64 * (key_bytes + 64 + 2 + 4)  # key codes, value units, key norms, value scale-zeros
-        assert report["wgmma"] == 16, case
-        assert ring + 128 * 32 * 2 + 64 * 32 * 2 <= report["shared_bytes"] <= ring + 16 * 1024, (case, report)
-        assert report["registers"] <= 168, (case, report)
+        ring = 3 * block_kv * (key_bytes + 64 + 2 + 4)  # key codes, value units, key norms, value scale-zeros
+        assert report["wgmma"] == 16 * block_kv // 64, case
+        operands = 128 * 32 * 2 + block_kv * 32 * 2  # Q^T and P, fp16
+        # and the warps' maxes (4 x 32 fp32) and flags, with the allocator's alignment: under 1 KB
+        assert ring + operands <= report["shared_bytes"] <= ring + operands + 1024, (case, report)
+        assert report["registers"] <= (168 if block_kv == 64 else 255), (case, report)
         assert report["stores"] == 8, (case, report)
 
 
@@ -156,34 +161,41 @@ def spied(module, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("block_kv", [64, 128])
 @pytest.mark.parametrize("q_len,group_size", WARPGROUP_CASES)
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_warpgroup_kernel_matches_the_reference_on_the_gpu(warpgroup_modules, monkeypatch, preset, q_len,
-                                                               group_size):
+                                                               group_size, block_kv):
     """Ragged sequences whose causal limits fall at 1, below a page boundary and past several splits, and a long
-    one, at 1, 5 and 40 splits (some past the sequences' ends), fp32 and fp16 queries."""
+    one, at 1, 5 and 40 splits (some past the sequences' ends), fp32 and fp16 queries; 64- and 128-token tiles
+    (128: the pending kernel multi_warpgroup_128, TQGEN_PENDING_KERNELS)."""
     module, config = warpgroup_modules(preset)
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma: Hopper only")
+    if block_kv not in module._WG_TILES:
+        pytest.skip(f"{block_kv}-token tiles: the pending kernel multi_warpgroup_128")
     spy = spied(module, monkeypatch)
     for num_splits, dtype in ((1, torch.float32), (5, torch.float16), (40, torch.float32)):
         check_decode_multi(module, config, "cuda", ragged_seq_lens(q_len) + [1000], q_len, group_size=group_size,
-                           dtype=dtype, num_splits=num_splits, **WARPGROUP_LAUNCH)
+                           dtype=dtype, num_splits=num_splits, **dict(WARPGROUP_LAUNCH, block_kv=block_kv))
     assert len(spy.launches) == 3
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("block_kv", [64, 128])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_the_warpgroup_kernel_masks_pages_outside_the_cache(warpgroup_modules, monkeypatch, preset):
+def test_the_warpgroup_kernel_masks_pages_outside_the_cache(warpgroup_modules, monkeypatch, preset, block_kv):
     """validate=False with a block id outside the cache inside the first and second tiles: that page's tokens are
     masked, and block 0, which such a page reads, holds NaN fields that must not leak into the output."""
     module, config = warpgroup_modules(preset)
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma: Hopper only")
+    if block_kv not in module._WG_TILES:
+        pytest.skip(f"{block_kv}-token tiles: the pending kernel multi_warpgroup_128")
     spy = spied(module, monkeypatch)
-    # positions 16-31 (first tile) and 96-111 (second)
-    check_pages_outside_the_cache(module, config, 10, (1, 6), 8, **WARPGROUP_LAUNCH)
+    # positions 16-31 (the first tile) and 96-111 (the second 64-token tile; the first of 128)
+    check_pages_outside_the_cache(module, config, 10, (1, 6), 8, **dict(WARPGROUP_LAUNCH, block_kv=block_kv))
     assert len(spy.launches) == 3
 
 

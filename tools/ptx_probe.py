@@ -142,12 +142,12 @@ def compile_multi_stage1_mma(module, block_kv: int, group_size: int, q_len: int,
                          options.pop("num_warps"), 1, GluonASTSource, **options)
 
 
-def compile_multi_stage1_wg(module, group_size: int, q_len: int, dependent_launch: bool = False):
+def compile_multi_stage1_wg(module, group_size: int, q_len: int, dependent_launch: bool = False, block_kv: int = 64):
     """decode_multi's warpgroup stage 1 (tq_decode_multi_stage1_wg, Plan.multi_warpgroup) with the constants
-    decode_multi gives it, on 4 warps."""
+    decode_multi gives it for tiles of block_kv tokens, on 4 warps."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    constants = module._multi_wg_constants(group_size, q_len, dependent_launch)
+    constants = module._multi_wg_constants(group_size, q_len, dependent_launch, block_kv)
     return _compile_sm90(module.tq_decode_multi_stage1_wg, constants, POINTER_TYPES, ("stride_",), 4, 1,
                          GluonASTSource)
 
