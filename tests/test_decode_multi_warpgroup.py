@@ -153,10 +153,17 @@ def test_the_warpgroup_kernel_compiles_for_sm90():
 
 
 # --- on the GPU --------------------------------------------------------------------------------------------------
-def spied(module, monkeypatch):
+def on_hopper(warpgroup_modules, monkeypatch, preset, block_kv=64):
+    """(module, config, a spy on its warpgroup kernel), or the test skipped where that kernel cannot run: a GPU
+    other than Hopper's, or 128-token tiles without the pending kernel multi_warpgroup_128."""
+    module, config = warpgroup_modules(preset)
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma: Hopper only")
+    if block_kv not in module._WG_TILES:
+        pytest.skip(f"{block_kv}-token tiles: the pending kernel multi_warpgroup_128 (TQGEN_PENDING_KERNELS)")
     spy = KernelRecorder(module.tq_decode_multi_stage1_wg)
     monkeypatch.setattr(module, "tq_decode_multi_stage1_wg", spy)
-    return spy
+    return module, config, spy
 
 
 @pytest.mark.gpu
@@ -169,12 +176,7 @@ def test_the_warpgroup_kernel_matches_the_reference_on_the_gpu(warpgroup_modules
     """Ragged sequences whose causal limits fall at 1, below a page boundary and past several splits, and a long
     one, at 1, 5 and 40 splits (some past the sequences' ends), fp32 and fp16 queries; 64- and 128-token tiles
     (128: the pending kernel multi_warpgroup_128, TQGEN_PENDING_KERNELS)."""
-    module, config = warpgroup_modules(preset)
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("wgmma: Hopper only")
-    if block_kv not in module._WG_TILES:
-        pytest.skip(f"{block_kv}-token tiles: the pending kernel multi_warpgroup_128")
-    spy = spied(module, monkeypatch)
+    module, config, spy = on_hopper(warpgroup_modules, monkeypatch, preset, block_kv)
     for num_splits, dtype in ((1, torch.float32), (5, torch.float16), (40, torch.float32)):
         check_decode_multi(module, config, "cuda", ragged_seq_lens(q_len) + [1000], q_len, group_size=group_size,
                            dtype=dtype, num_splits=num_splits, **dict(WARPGROUP_LAUNCH, block_kv=block_kv))
@@ -188,12 +190,7 @@ def test_the_warpgroup_kernel_matches_the_reference_on_the_gpu(warpgroup_modules
 def test_the_warpgroup_kernel_masks_pages_outside_the_cache(warpgroup_modules, monkeypatch, preset, block_kv):
     """validate=False with a block id outside the cache inside the first and second tiles: that page's tokens are
     masked, and block 0, which such a page reads, holds NaN fields that must not leak into the output."""
-    module, config = warpgroup_modules(preset)
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("wgmma: Hopper only")
-    if block_kv not in module._WG_TILES:
-        pytest.skip(f"{block_kv}-token tiles: the pending kernel multi_warpgroup_128")
-    spy = spied(module, monkeypatch)
+    module, config, spy = on_hopper(warpgroup_modules, monkeypatch, preset, block_kv)
     # positions 16-31 (the first tile) and 96-111 (the second 64-token tile; the first of 128)
     check_pages_outside_the_cache(module, config, 10, (1, 6), 8, **dict(WARPGROUP_LAUNCH, block_kv=block_kv))
     assert len(spy.launches) == 3
@@ -204,9 +201,6 @@ def test_the_warpgroup_kernel_masks_pages_outside_the_cache(warpgroup_modules, m
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_warpgroup_kernel_replays_in_a_cuda_graph(warpgroup_modules, monkeypatch, preset):
     """Captured with a workspace, replayed for new queries, block tables and seq_lens (from q_len up)."""
-    module, config = warpgroup_modules(preset)
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("wgmma: Hopper only")
-    spy = spied(module, monkeypatch)
+    module, config, spy = on_hopper(warpgroup_modules, monkeypatch, preset)
     check_graph_replays(module, config, 8, 4, **WARPGROUP_LAUNCH)
     assert spy.launches
