@@ -1142,6 +1142,10 @@ def test_the_loop_mix_counts_the_longest_loop_and_what_its_forward_branches_skip
 
     assert ptx_probe.loop_mix(_LOOP_LISTING) == ("10 SASS instructions in the loop (forward branches in it skip 3): "
                                                  "BRA 3, FMUL 3, LOP3 2, ISETP 1, HMMA 1")
+    # A skipped region with a cp.async copy (the ring's next tile, taken on most tiles) is marked.
+    copying = _LOOP_LISTING.replace("FMUL R9, R9, R8", "LDGSTS.E.BYPASS.128 [R9], desc[UR4][R10.64]")
+    assert ptx_probe.loop_mix(copying) == ("10 SASS instructions in the loop (forward branches in it skip 3 "
+                                           "(cp.async)): BRA 3, LOP3 2, FMUL 2, ISETP 1, LDGSTS 1, HMMA 1")
 
 
 def test_the_ncu_summary_reads_stalls_and_the_loops_opcodes_from_the_exports(tmp_path):

@@ -5,6 +5,7 @@
     python3 tools/ptx_probe.py CONFIG --store 16:4 [4:2 ...] [--store-variants nofwht nosearch nocodes]
     python3 tools/ptx_probe.py CONFIG --block-kv 64 --sass [--variants base nocorr ...]
     python3 tools/ptx_probe.py CONFIG --mma [--block-kv 64] [--group-size 4] [--sass]
+    python3 tools/ptx_probe.py CONFIG --warpgroup --q-len 8 [--block-kv 64] [--group-size 4] [--sass]
 
 --sass disassembles the cubin triton built (sm90a) with the cuobjdump bundled with it and prints the
 SASS opcode mix of stage 1's main loop (the longest backward branch): what one tile
@@ -18,6 +19,11 @@ the edited kernels of tools/ablate_store.py.
 --mma compiles the Gluon stage 1 on mma.sync (planes configs, Plan.mma_stage1) instead of
 the tl.dot kernel: registers, MMAs and shared-memory traffic (none at --stages 1; the cp.async
 ring's copies and reads from --stages 2 on).
+
+--warpgroup compiles decode_multi's warpgroup stage 1 (4 warps on wgmma, Plan.multi_warpgroup) instead. With
+--sass, the loop's forward branches are listed by the instructions they skip; "(cp.async)" marks the ring's next
+tile, taken on every tile but a split's last ones, the others are the rare branches (the tile masks, the
+columns' exact max).
 
 --variants compiles the variants of tools/ablate_stage1.py side by side: registers,
 spills and shared-memory traffic show what each part of the kernel costs before any
@@ -302,7 +308,9 @@ def loop_mix(sass: str) -> str:
     for address, opcode, line in inside:
         target = _BRANCH_TARGET.search(line) if opcode.startswith("BRA") else None
         if target and address < int(target.group(1), 16) <= loop[1]:
-            skips.append(sum(1 for a, _, _ in inside if address < a < int(target.group(1), 16)))
+            skipped = [op for a, op, _ in inside if address < a < int(target.group(1), 16)]
+            # A region that holds cp.async copies is the ring's next tile: taken on most tiles, not a rare branch.
+            skips.append(f"{len(skipped)}{' (cp.async)' if any(op.startswith('LDGSTS') for op in skipped) else ''}")
     branches = f" (forward branches in it skip {', '.join(map(str, skips))})" if skips else ""
     return f"{len(body)} SASS instructions in the loop{branches}: " + ", ".join(f"{op} {count}" for op, count in mix)
 
@@ -346,6 +354,9 @@ def main() -> None:
                         help="with --mma: compile decode_multi's stage 1 for this many query tokens (2-8)")
     parser.add_argument("--rotate-query", action="store_true",
                         help="compile stage 1 as it rotates the query itself (planes MSE, small batches)")
+    parser.add_argument("--warpgroup", action="store_true",
+                        help="compile decode_multi's warpgroup stage 1 (Plan.multi_warpgroup) for --q-len x "
+                             "--group-size columns and --block-kv 64 or 128")
     parser.add_argument("--position-major", action="store_true",
                         help="with --mma, slots configs: the cache in position-major order (default: head-major, vLLM's)")
     args = parser.parse_args()
@@ -358,14 +369,21 @@ def main() -> None:
         compare_variants(config, args.variants, args.block_kv, args.warps, args.stages, args.sass)
         return
     module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-ptx-"))
-    if args.mma:
+    if args.warpgroup:
+        if not hasattr(module, "tq_decode_multi_stage1_wg"):
+            raise SystemExit(f"--warpgroup: {args.config} has no warpgroup stage 1 (Plan.multi_warpgroup)")
+        if args.block_kv not in (64, 128):
+            raise SystemExit(f"--warpgroup: --block-kv must be 64 or 128, got {args.block_kv}")
+        compiled = compile_multi_stage1_wg(module, args.group_size, args.q_len, block_kv=args.block_kv)
+    elif args.mma:
         if not hasattr(module, "tq_decode_stage1_mma"):
             raise SystemExit(f"--mma: {args.config} has no Gluon stage 1 (Plan.mma_stage1)")
         if args.stages < module.MMA_MIN_STAGES:
             raise SystemExit(f"--mma: {args.config}'s Gluon stage 1 takes --stages {module.MMA_MIN_STAGES} or more")
         if args.q_len > 1:
             compiled = compile_multi_stage1_mma(module, args.block_kv, args.group_size, args.q_len,
-                                                stages=args.stages, head_major=not args.position_major)
+                                                stages=args.stages, head_major=not args.position_major,
+                                                rotate_query=args.rotate_query)
         else:
             compiled = compile_stage1_mma(module, args.block_kv, args.group_size, stages=args.stages,
                                           rotate_query=args.rotate_query, head_major=not args.position_major)
@@ -376,12 +394,14 @@ def main() -> None:
         with open(args.ptx, "w") as handle:
             handle.write(ptx)
     loads = collections.Counter(re.findall(r"ld\.global(?:\.\w+)*", ptx))
-    if args.mma:
+    if args.warpgroup:
+        launch = f"warpgroup, group {args.group_size}, q_len {args.q_len}"
+    elif args.mma:
         launch = f"mma, group {args.group_size}, q_len {args.q_len}, st{args.stages}"
     else:
         launch = f"w{args.warps} st{args.stages}"
-    print(f"{args.config} kv{args.block_kv} {launch}: {ptxas_usage(ptx)}; mma.sync x{ptx.count('mma.sync')}, "
-          f"shfl x{ptx.count('shfl.sync')}")
+    products = (f"wgmma x{ptx.count('wgmma.mma_async')}" if args.warpgroup else f"mma.sync x{ptx.count('mma.sync')}")
+    print(f"{args.config} kv{args.block_kv} {launch}: {ptxas_usage(ptx)}; {products}, shfl x{ptx.count('shfl.sync')}")
     print("  global loads: " + ", ".join(f"{kind} x{count}" for kind, count in loads.most_common()))
     print(f"  cp.async x{len(re.findall(r'cp[.]async[.]c[ag]', ptx))}, "
           f"ld.shared x{len(re.findall(r'ld[.]shared', ptx))}, st.shared x{len(re.findall(r'st[.]shared', ptx))}")
