@@ -79,27 +79,34 @@ def test_decode_multi_launch_takes_the_warpgroup_for_17_to_32_columns(warpgroup_
             assert module.decode_multi_launch(batch, 8, group_size, q_len, 8192, cpu)[3] == splits
 
 
+@pytest.mark.parametrize("dtype,own_rotation,rotated", [(torch.float16, True, True), (torch.bfloat16, True, True),
+                                                        (torch.float32, True, False), (torch.float16, False, False)])
 @pytest.mark.parametrize("own_centroids", [True, False])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_decode_multi_launches_the_warpgroup_after_the_query_rotation(warpgroup_modules, monkeypatch, preset,
-                                                                      own_centroids):
-    """The warpgroup kernel reads tq_prepare_query's query (a dependent launch at batch 1), one program per
-    (sequence, KV head, split) of 4 warps, then stage 2; a caller's centroids (the same values, another tensor)
+def test_decode_multi_launches_the_warpgroup_with_the_query_rotation(warpgroup_modules, monkeypatch, preset,
+                                                                     own_centroids, dtype, own_rotation, rotated):
+    """One program per (sequence, KV head, split) of 4 warps, then stage 2. The kernel rotates a 16-bit query under
+    the config's own rotation itself (ROTATE_QUERY: reads the caller's query, launched in stream order as the
+    call's first kernel); an fp32 query or a caller's rotation goes through tq_prepare_query first, which the
+    kernel then waits for (a dependent launch at batch 1). A caller's centroids (the same values, another tensor)
     take the one-warp kernel where the keys' lookup needs a symmetric codebook (4 bits), not with 3-bit keys."""
     module, config = warpgroup_modules(preset)
     hopper(module, monkeypatch)
     monkeypatch.setattr(module, "_dependent_launch", lambda device: True)
+    monkeypatch.setattr(module, "_WG_ROTATES_QUERY", True)  # the pending kernel multi_warpgroup_rotate's rule
     warpgroup, one_warp, prepare, stage2 = KernelRecorder(), KernelRecorder(), KernelRecorder(), KernelRecorder()
     monkeypatch.setattr(module, "tq_decode_multi_stage1_wg", warpgroup)
     monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", one_warp)
     monkeypatch.setattr(module, "tq_prepare_query", prepare)
     monkeypatch.setattr(module, "tq_decode_stage2", stage2)
-    batch, cache, query, kwargs = multi_inputs(module, config, [40], "cpu", 8)
+    batch, cache, query, kwargs = multi_inputs(module, config, [40], "cpu", 8, dtype=dtype)
     if not own_centroids:
         kwargs["centroids"] = kwargs["centroids"].clone()
+    if not own_rotation:
+        kwargs["rotation"] = kwargs["rotation"].clone()  # the same values, not the config's tensor
     monkeypatch.setattr(module, "_WG_MIN_PROGRAMS", 1)  # one sequence of 2 KV heads takes it too
     module.decode_multi(query, cache, batch.block_table, batch.seq_lens, num_splits=3, **kwargs)
-    assert len(prepare.launches) == 1 and len(stage2.launches) == 1
+    assert len(stage2.launches) == 1
     if not own_centroids and preset == "k4v4":
         assert not warpgroup.launches and len(one_warp.launches) == 1
         return
@@ -108,8 +115,15 @@ def test_decode_multi_launches_the_warpgroup_after_the_query_rotation(warpgroup_
     assert grid == (1, 2, 3)
     assert (launch["Q_LEN"], launch["GROUP_SIZE"], launch["BLOCK_H"], launch["BLOCK_KV"]) == (8, 4, 32, 64)
     assert launch["num_warps"] == 4 and launch["STAGES"] == 3
-    assert launch["launch_pdl"] and launch["DEPENDENT_LAUNCH"]
-    assert args[0] is not query and args[0].dtype == torch.float16  # the prepared query
+    assert launch["ROTATE_QUERY"] == rotated and len(prepare.launches) == (0 if rotated else 1)
+    assert launch["launch_pdl"] == launch["DEPENDENT_LAUNCH"] == (not rotated)
+    if rotated:
+        assert args[0] is query
+        assert args[12:15] == query.stride()[:3]  # stride_query_batch, _token, _head
+    else:
+        prepared = args[0]  # [sequences x query tokens, query heads, head dim]
+        assert prepared is not query and prepared.dtype == torch.float16
+        assert args[12:15] == (8 * prepared.stride(0), prepared.stride(0), prepared.stride(1))
     assert args[4] is kwargs["centroids"]
 
 
@@ -119,10 +133,11 @@ sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
 import ptx_probe, tqgen
 from tqgen import config as config_mod
 folder = tempfile.mkdtemp(prefix="tqgen-multi-wg-")
-for stem, q_len, group_size, block_kv in json.loads(sys.argv[1]):
+for stem, q_len, group_size, block_kv, rotate in json.loads(sys.argv[1]):
     config = dataclasses.replace(config_mod.load(f"configs/{stem}.yaml"), arch="sm90")
     module = tqgen.load(config, folder)
-    compiled = ptx_probe.compile_multi_stage1_wg(module, group_size, q_len, dependent_launch=True, block_kv=block_kv)
+    compiled = ptx_probe.compile_multi_stage1_wg(module, group_size, q_len, dependent_launch=True, block_kv=block_kv,
+                                                 rotate_query=rotate)
     ptx = compiled.asm["ptx"]
     print(json.dumps(dict(wgmma=ptx.count("wgmma.mma_async"), shared_bytes=compiled.metadata.shared,
                           registers=int(ptx_probe.ptxas_usage(ptx).split()[1]), stores=ptx.count("st.global.v4"))))
@@ -131,23 +146,28 @@ for stem, q_len, group_size, block_kv in json.loads(sys.argv[1]):
 
 def test_the_warpgroup_kernel_compiles_for_sm90():
     """Each case compiles offline with 16 wgmma a 64-token tile (scores^T: 128 head dims in 8 steps of 16 for each
-    64 rows; out^T: 64 tokens in 4 steps, for each of its two 64-row halves) and 32 a 128-token tile, a ring of 3
-    tiles (64 or 128 tokens x 134 bytes, k4v4) beside Q^T, P and the warps' maxes, the partials stored 16 bytes at
-    a time (128 head dims x 32 columns over 128 lanes: 8 stores a lane), and at most 168 registers a lane at
-    64-token tiles (3 programs of 4 warps an SM), 255 at 128 (2 an SM, as many as _multi_wg_launch asks for)."""
-    cases = [(f"{preset}-d128-planes", q_len, group_size, 64) for preset in PRESETS
+    64 rows; out^T: 64 tokens in 4 steps, for each of its two 64-row halves) and 32 a 128-token tile, and 16 more
+    where it rotates the query (two 64-row halves of H times Q^T, 8 steps each); a ring of 3 tiles (64 or 128
+    tokens x 134 bytes, k4v4) beside Q^T, P and the warps' maxes (and at most the unrotated query where it
+    rotates), the partials stored 16 bytes at a time (128 head dims x 32 columns over 128 lanes: 8 stores a lane),
+    and at most 168 registers a lane at 64-token tiles (3 programs of 4 warps an SM), 255 at 128 (2 an SM, as many
+    as _multi_wg_launch asks for)."""
+    cases = [(f"{preset}-d128-planes", q_len, group_size, 64, False) for preset in PRESETS
              for q_len, group_size in WARPGROUP_CASES]
-    cases += [(f"{preset}-d128-planes", 8, 4, 128) for preset in PRESETS]
+    cases += [(f"{preset}-d128-planes", 8, 4, 128, False) for preset in PRESETS]
+    cases += [(f"{preset}-d128-planes", 8, 4, 64, True) for preset in PRESETS]
     reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600)
     assert len(reports) == len(cases)
     for case, report in zip(cases, reports):
-        block_kv = case[3]
+        block_kv, rotate = case[3:]
         key_bytes = 64 if case[0].startswith("k4") else 48  # a token's key codes: 128 x 4 or 3 bits
         ring = 3 * block_kv * (key_bytes + 64 + 2 + 4)  # key codes, value units, key norms, value scale-zeros
-        assert report["wgmma"] == 16 * block_kv // 64, case
+        assert report["wgmma"] == 16 * block_kv // 64 + (16 if rotate else 0), case
         operands = 128 * 32 * 2 + block_kv * 32 * 2  # Q^T and P, fp16
-        # and the warps' maxes (4 x 32 fp32) and flags, with the allocator's alignment: under 1 KB
-        assert ring + operands <= report["shared_bytes"] <= ring + operands + 1024, (case, report)
+        # and the warps' maxes (4 x 32 fp32) and flags, with the allocator's alignment: under 1 KB; where it rotates,
+        # the unrotated query (128 x 32 x 2 bytes), whose space the allocator may share with what comes later
+        query = 128 * 32 * 2 if rotate else 0
+        assert ring + operands <= report["shared_bytes"] <= ring + operands + query + 1024, (case, report)
         assert report["registers"] <= (168 if block_kv == 64 else 255), (case, report)
         assert report["stores"] == 8, (case, report)
 
@@ -174,13 +194,16 @@ def on_hopper(warpgroup_modules, monkeypatch, preset, block_kv=64):
 def test_the_warpgroup_kernel_matches_the_reference_on_the_gpu(warpgroup_modules, monkeypatch, preset, q_len,
                                                                group_size, block_kv):
     """Ragged sequences whose causal limits fall at 1, below a page boundary and past several splits, and a long
-    one, at 1, 5 and 40 splits (some past the sequences' ends), fp32 and fp16 queries; 64- and 128-token tiles
-    (128: the pending kernel multi_warpgroup_128, TQGEN_PENDING_KERNELS)."""
+    one, at 1, 2, 5 and 40 splits (some past the sequences' ends), fp32 queries (tq_prepare_query's rotation) and
+    fp16 and bf16 ones (rotated in the kernel: the pending kernel multi_warpgroup_rotate); 64- and 128-token tiles
+    (128: the pending kernel multi_warpgroup_128; TQGEN_PENDING_KERNELS)."""
     module, config, spy = on_hopper(warpgroup_modules, monkeypatch, preset, block_kv)
-    for num_splits, dtype in ((1, torch.float32), (5, torch.float16), (40, torch.float32)):
+    cases = ((1, torch.float32), (5, torch.float16), (2, torch.bfloat16), (40, torch.float32))
+    for num_splits, dtype in cases:
         check_decode_multi(module, config, "cuda", ragged_seq_lens(q_len) + [1000], q_len, group_size=group_size,
                            dtype=dtype, num_splits=num_splits, **dict(WARPGROUP_LAUNCH, block_kv=block_kv))
-    assert len(spy.launches) == 3
+    rotates = module._WG_ROTATES_QUERY  # the pending kernel multi_warpgroup_rotate
+    assert [launch["ROTATE_QUERY"] for _, _, launch in spy.launches] == [False, rotates, rotates, False]
 
 
 @pytest.mark.gpu

@@ -11,7 +11,10 @@ the one it picks itself ("auto"); --dot also times each q_len with stage 1 held 
 (MMA_STAGE1 off: what decode_multi ran before its Gluon kernel); --wide-caps times the Gluon kernel of more
 than 8 MMA columns (q_len x heads: 4 x 4 and up) under each register cap in turn (the maxnreg that
 `_multi_mma_options` gives it, replaced here; shipped: 168 for the MSE planes presets, none where the grid fits
-one wave), decode's own kernel untouched.
+one wave), decode's own kernel untouched. --wg-columns N lets the warpgroup kernel take programs of N-32 columns
+(shipped: 17-32) at the launches that name it (BLOCK_KV:3:SPLITS:4), e.g. q_len 1 x 4 heads at small batches; the
+auto launch then stays the one-warp kernel's.
+Each launch's output is compared with the auto launch's (max abs difference, printed).
 A config given as CONFIG:MODULE.py times that module file (a render of another ref, tools/render_refs.py) on
 CONFIG's problems, named by the file: two refs' kernels side by side in one run.
 Prints one table at the end.
@@ -44,6 +47,8 @@ def main():
                         help="also time decode_multi at these launches")
     parser.add_argument("--wide-caps", nargs="+", type=int, default=[], metavar="REGISTERS",
                         help="time the kernel of more than 8 columns under each of these register caps")
+    parser.add_argument("--wg-columns", type=int, default=None, metavar="N",
+                        help="the warpgroup kernel takes programs of N-32 MMA columns (shipped: 17)")
     args = parser.parse_args()
     launches = [("auto", {})] + [(text, parse_launch(text)) for text in args.launches]
     rows = []
@@ -52,6 +57,10 @@ def main():
         config = emit.as_config(path)
         module = tqgen.load(module_file or config)
         name = Path(module_file).stem if module_file else config.name
+        if args.wg_columns is not None and hasattr(module, "_multi_wg_columns"):
+            most = module._WG_MAX_COLUMNS
+            module._multi_wg_columns = lambda group_size, q_len: args.wg_columns <= q_len * group_size <= most
+            module._WG_MIN_PROGRAMS = 1 << 30  # the auto launch stays the one-warp kernel's: the reference
         # decode_multi's compile options (older renders: decode's, which it used then)
         options_name = "_multi_mma_options" if hasattr(module, "_multi_mma_options") else "_mma_stage1_options"
         shipped_options = getattr(module, options_name)
@@ -86,6 +95,7 @@ def main():
                 for label, mma in paths:
                     timed = ([(name, launch, cap) for name, launch in launches for cap in caps] if label == "Gluon"
                              else [launches[0] + (None,)])
+                    auto_out = None
                     for launch_name, launch, cap in timed:
                         setattr(module, options_name, capped_options(cap))
                         if cap is not None:
@@ -98,6 +108,10 @@ def main():
                         if mma is not None:
                             module.MMA_STAGE1 = mma
                         us = triton.testing.do_bench_cudagraph(multi, return_mode="median") * 1e3
+                        if auto_out is None:
+                            auto_out = out.clone()
+                        else:
+                            launch_name += f" (max |out - auto| {(out - auto_out).abs().max().item():.1e})"
                         row = (name, shape, q_len, f"{label} {launch_name}", us, us / base, q_len * base / us)
                         rows.append(row)
                         print("{} {} q_len {} {}: {:.1f} us = {:.2f}x decode, {:.2f}x faster than q_len calls"

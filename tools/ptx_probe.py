@@ -148,12 +148,16 @@ def compile_multi_stage1_mma(module, block_kv: int, group_size: int, q_len: int,
                          options.pop("num_warps"), 1, GluonASTSource, **options)
 
 
-def compile_multi_stage1_wg(module, group_size: int, q_len: int, dependent_launch: bool = False, block_kv: int = 64):
+def compile_multi_stage1_wg(module, group_size: int, q_len: int, dependent_launch: bool = False, block_kv: int = 64,
+                            rotate_query: bool = False):
     """decode_multi's warpgroup stage 1 (tq_decode_multi_stage1_wg, Plan.multi_warpgroup) with the constants
-    decode_multi gives it for tiles of block_kv tokens, on 4 warps."""
+    decode_multi gives it for tiles of block_kv tokens, on 4 warps; rotate_query the specialization that rotates
+    the caller's fp16 query itself."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    constants = module._multi_wg_constants(group_size, q_len, dependent_launch, block_kv)
+    extra = {"rotate_query": True} if rotate_query else {}
+    constants = module._multi_wg_constants(group_size, q_len, dependent_launch and not rotate_query, block_kv,
+                                           **extra)
     return _compile_sm90(module.tq_decode_multi_stage1_wg, constants, POINTER_TYPES, ("stride_",), 4, 1,
                          GluonASTSource)
 
@@ -353,7 +357,7 @@ def main() -> None:
     parser.add_argument("--q-len", type=int, default=1,
                         help="with --mma: compile decode_multi's stage 1 for this many query tokens (2-8)")
     parser.add_argument("--rotate-query", action="store_true",
-                        help="compile stage 1 as it rotates the query itself (planes MSE, small batches)")
+                        help="compile stage 1 (or --warpgroup) as it rotates the query itself (planes MSE)")
     parser.add_argument("--warpgroup", action="store_true",
                         help="compile decode_multi's warpgroup stage 1 (Plan.multi_warpgroup) for --q-len x "
                              "--group-size columns and --block-kv 64 or 128")
@@ -374,7 +378,8 @@ def main() -> None:
             raise SystemExit(f"--warpgroup: {args.config} has no warpgroup stage 1 (Plan.multi_warpgroup)")
         if args.block_kv not in (64, 128):
             raise SystemExit(f"--warpgroup: --block-kv must be 64 or 128, got {args.block_kv}")
-        compiled = compile_multi_stage1_wg(module, args.group_size, args.q_len, block_kv=args.block_kv)
+        compiled = compile_multi_stage1_wg(module, args.group_size, args.q_len, block_kv=args.block_kv,
+                                           rotate_query=args.rotate_query)
     elif args.mma:
         if not hasattr(module, "tq_decode_stage1_mma"):
             raise SystemExit(f"--mma: {args.config} has no Gluon stage 1 (Plan.mma_stage1)")
