@@ -19,8 +19,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in lo
 # (q_len, group size): 17-32 columns, padded to 32 where they are not a power of two
 WARPGROUP_CASES = [(8, 4), (5, 4), (3, 6), (4, 8), (3, 8), (2, 16)]
 # The warpgroup kernel's launch (decode_multi_launch gives it from 16 (sequence, KV head) pairs up; these small
-# batches pass it)
-WARPGROUP_LAUNCH = dict(block_kv=64, num_warps=4, num_stages=3)
+# batches pass it); the kernel takes 64-token tiles too
+WARPGROUP_LAUNCH = dict(block_kv=128, num_warps=4, num_stages=3)
 PRESETS = ["k4v4", "k3v4"]  # planes: 4-bit keys (the symmetric lookup) and split 3-bit keys, 4-bit values
 
 
@@ -56,7 +56,7 @@ def test_only_mse_keys_with_4_bit_values_in_16_token_planes_render_it():
 @pytest.mark.parametrize("q_len,group_size", WARPGROUP_CASES + [(4, 4), (8, 2), (2, 8), (5, 8), (3, 16)])
 def test_decode_multi_launch_takes_the_warpgroup_for_17_to_32_columns(warpgroup_modules, monkeypatch, q_len,
                                                                       group_size):
-    """17-32 columns from 16 (sequence, KV head) pairs up take (64-token tiles, 4 warps, a ring of 3) and about 2
+    """17-32 columns from 16 (sequence, KV head) pairs up take (128-token tiles, 4 warps, a ring of 3) and about 2
     programs an SM, at most decode's splits; 4-bit keys with the default centroids only (a caller's codebook need
     not be symmetric); at most 16 columns, more than 32, or fewer pairs, the one-warp kernels' launch."""
     module, _ = warpgroup_modules("k4v4")
@@ -72,7 +72,7 @@ def test_decode_multi_launch_takes_the_warpgroup_for_17_to_32_columns(warpgroup_
             assert launch == caller_codebook
             continue
         decode_splits = module.decode_launch(batch, 8, group_size, context, cpu)[3]
-        assert launch[:3] == (64, 4, 3)
+        assert launch[:3] == (128, 4, 3)
         assert launch[3] == max(1, min(decode_splits, 2 * 132 // (batch * 8)))
     if 16 < columns <= 32:  # the timed shapes' best split counts
         for batch, splits in [(32, 1), (16, 2), (8, 4), (4, 8), (2, 16)]:
@@ -93,7 +93,6 @@ def test_decode_multi_launches_the_warpgroup_with_the_query_rotation(warpgroup_m
     module, config = warpgroup_modules(preset)
     hopper(module, monkeypatch)
     monkeypatch.setattr(module, "_dependent_launch", lambda device: True)
-    monkeypatch.setattr(module, "_WG_ROTATES_QUERY", True)  # the pending kernel multi_warpgroup_rotate's rule
     warpgroup, one_warp, prepare, stage2 = KernelRecorder(), KernelRecorder(), KernelRecorder(), KernelRecorder()
     monkeypatch.setattr(module, "tq_decode_multi_stage1_wg", warpgroup)
     monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", one_warp)
@@ -113,7 +112,7 @@ def test_decode_multi_launches_the_warpgroup_with_the_query_rotation(warpgroup_m
     assert not one_warp.launches
     (grid, args, launch), = warpgroup.launches
     assert grid == (1, 2, 3)
-    assert (launch["Q_LEN"], launch["GROUP_SIZE"], launch["BLOCK_H"], launch["BLOCK_KV"]) == (8, 4, 32, 64)
+    assert (launch["Q_LEN"], launch["GROUP_SIZE"], launch["BLOCK_H"], launch["BLOCK_KV"]) == (8, 4, 32, 128)
     assert launch["num_warps"] == 4 and launch["STAGES"] == 3
     assert launch["ROTATE_QUERY"] == rotated and len(prepare.launches) == (0 if rotated else 1)
     assert launch["launch_pdl"] == launch["DEPENDENT_LAUNCH"] == (not rotated)
@@ -173,14 +172,11 @@ def test_the_warpgroup_kernel_compiles_for_sm90():
 
 
 # --- on the GPU --------------------------------------------------------------------------------------------------
-def on_hopper(warpgroup_modules, monkeypatch, preset, block_kv=64):
-    """(module, config, a spy on its warpgroup kernel), or the test skipped where that kernel cannot run: a GPU
-    other than Hopper's, or 128-token tiles without the pending kernel multi_warpgroup_128."""
+def on_hopper(warpgroup_modules, monkeypatch, preset):
+    """(module, config, a spy on its warpgroup kernel), or the test skipped on a GPU other than Hopper's."""
     module, config = warpgroup_modules(preset)
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma: Hopper only")
-    if block_kv not in module._WG_TILES:
-        pytest.skip(f"{block_kv}-token tiles: the pending kernel multi_warpgroup_128 (TQGEN_PENDING_KERNELS)")
     spy = KernelRecorder(module.tq_decode_multi_stage1_wg)
     monkeypatch.setattr(module, "tq_decode_multi_stage1_wg", spy)
     return module, config, spy
@@ -195,15 +191,13 @@ def test_the_warpgroup_kernel_matches_the_reference_on_the_gpu(warpgroup_modules
                                                                group_size, block_kv):
     """Ragged sequences whose causal limits fall at 1, below a page boundary and past several splits, and a long
     one, at 1, 2, 5 and 40 splits (some past the sequences' ends), fp32 queries (tq_prepare_query's rotation) and
-    fp16 and bf16 ones (rotated in the kernel: the pending kernel multi_warpgroup_rotate); 64- and 128-token tiles
-    (128: the pending kernel multi_warpgroup_128; TQGEN_PENDING_KERNELS)."""
-    module, config, spy = on_hopper(warpgroup_modules, monkeypatch, preset, block_kv)
+    fp16 and bf16 ones (rotated in the kernel); 64- and 128-token tiles."""
+    module, config, spy = on_hopper(warpgroup_modules, monkeypatch, preset)
     cases = ((1, torch.float32), (5, torch.float16), (2, torch.bfloat16), (40, torch.float32))
     for num_splits, dtype in cases:
         check_decode_multi(module, config, "cuda", ragged_seq_lens(q_len) + [1000], q_len, group_size=group_size,
                            dtype=dtype, num_splits=num_splits, **dict(WARPGROUP_LAUNCH, block_kv=block_kv))
-    rotates = module._WG_ROTATES_QUERY  # the pending kernel multi_warpgroup_rotate
-    assert [launch["ROTATE_QUERY"] for _, _, launch in spy.launches] == [False, rotates, rotates, False]
+    assert [launch["ROTATE_QUERY"] for _, _, launch in spy.launches] == [False, True, True, False]
 
 
 @pytest.mark.gpu
@@ -213,7 +207,7 @@ def test_the_warpgroup_kernel_matches_the_reference_on_the_gpu(warpgroup_modules
 def test_the_warpgroup_kernel_masks_pages_outside_the_cache(warpgroup_modules, monkeypatch, preset, block_kv):
     """validate=False with a block id outside the cache inside the first and second tiles: that page's tokens are
     masked, and block 0, which such a page reads, holds NaN fields that must not leak into the output."""
-    module, config, spy = on_hopper(warpgroup_modules, monkeypatch, preset, block_kv)
+    module, config, spy = on_hopper(warpgroup_modules, monkeypatch, preset)
     # positions 16-31 (the first tile) and 96-111 (the second 64-token tile; the first of 128)
     check_pages_outside_the_cache(module, config, 10, (1, 6), 8, **dict(WARPGROUP_LAUNCH, block_kv=block_kv))
     assert len(spy.launches) == 3

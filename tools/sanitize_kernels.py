@@ -71,11 +71,15 @@ for path in paths:
     multi_query = torch.randn(5, 3, 12, config.head_dim, device="cuda", dtype=torch.float16)
     module.decode_multi(multi_query, cache, batch.block_table, batch.seq_lens, validate=False, **kwargs)
     # 8 tokens x 4 heads: 32 columns at the warpgroup kernel's launch, which runs it where the module has one
-    # (tq_decode_multi_stage1_wg), else the tl.dot kernel on 4 warps
+    # (tq_decode_multi_stage1_wg: 64- and 128-token tiles, rotating the fp16 query itself, and an fp32 query after
+    # tq_prepare_query), else the tl.dot kernel on 4 warps
     wide_query = torch.randn(5, 8, 16, config.head_dim, device="cuda", dtype=torch.float16)
-    for num_splits in (1, 4):
-        module.decode_multi(wide_query, cache, batch.block_table, batch.seq_lens, validate=False,
-                            num_splits=num_splits, block_kv=64, num_warps=4, num_stages=3, **kwargs)
+    wide_launches = [(64, 1, torch.float16), (64, 4, torch.float16)]
+    if hasattr(module, "tq_decode_multi_stage1_wg"):
+        wide_launches += [(128, 1, torch.float16), (128, 4, torch.float32)]
+    for block_kv, num_splits, dtype in wide_launches:
+        module.decode_multi(wide_query.to(dtype), cache, batch.block_table, batch.seq_lens, validate=False,
+                            num_splits=num_splits, block_kv=block_kv, num_warps=4, num_stages=3, **kwargs)
     # Ragged: sequences of 1, 3, 2, 3 and 0 query tokens (the last sequence has none, like its cache).
     starts = torch.tensor([0, 1, 4, 6, 9, 9], dtype=torch.int32, device="cuda")
     module.decode_ragged(multi_query.flatten(0, 1)[:9], cache, batch.block_table, batch.seq_lens, starts, 3,

@@ -58,10 +58,6 @@ MAX_NUM_WARPS = 32
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
 PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
-    "multi_warpgroup_128": "decode_multi's warpgroup kernel takes 128-token tiles (no tuned file; not yet run on a "
-                           "GPU)",
-    "multi_warpgroup_rotate": "decode_multi's warpgroup kernel rotates a 16-bit query itself (no tuned file; not "
-                              "yet run on a GPU)",
 }
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
