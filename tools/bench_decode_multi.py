@@ -31,6 +31,14 @@ import tqgen  # noqa: E402
 from tqgen import emit, testing  # noqa: E402
 
 
+def widen_warpgroup_columns(module, fewest):
+    """Let the module's warpgroup kernel (where it has one) take programs of fewest-32 MMA columns (shipped: 17-32)
+    at the launches that name it (BLOCK_KV:3:SPLITS:4)."""
+    if hasattr(module, "_multi_wg_columns"):
+        most = module._WG_MAX_COLUMNS
+        module._multi_wg_columns = lambda group_size, q_len: fewest <= q_len * group_size <= most
+
+
 def parse_launch(text):
     """BLOCK_KV:STAGES:SPLITS[:WARPS] (one warp unless given; 64:3:S:4 is the warpgroup kernel's launch)."""
     block_kv, stages, splits, *warps = (int(part) for part in text.split(":"))
@@ -57,9 +65,8 @@ def main():
         config = emit.as_config(path)
         module = tqgen.load(module_file or config)
         name = Path(module_file).stem if module_file else config.name
-        if args.wg_columns is not None and hasattr(module, "_multi_wg_columns"):
-            most = module._WG_MAX_COLUMNS
-            module._multi_wg_columns = lambda group_size, q_len: args.wg_columns <= q_len * group_size <= most
+        if args.wg_columns is not None:
+            widen_warpgroup_columns(module, args.wg_columns)
             module._WG_MIN_PROGRAMS = 1 << 30  # the auto launch stays the one-warp kernel's: the reference
         # decode_multi's compile options (older renders: decode's, which it used then)
         options_name = "_multi_mma_options" if hasattr(module, "_multi_mma_options") else "_mma_stage1_options"

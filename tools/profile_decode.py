@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tqgen  # noqa: E402
+from bench_decode_multi import widen_warpgroup_columns  # noqa: E402 (beside this file)
 from stage1_variants import variant_modules  # noqa: E402 (beside this file)
 from tqgen import config as config_mod, emit, testing  # noqa: E402
 from tqgen.tuned_files import LAUNCH_FIELDS  # noqa: E402
@@ -53,9 +54,8 @@ for path in args.configs:
     problem = testing.random_problem(module, config, batch, context, args.q_heads, 8, "cuda")
     group_size = args.q_heads // 8
     device = problem["cache"].device
-    if args.wg_columns is not None and hasattr(module, "_multi_wg_columns"):
-        most = module._WG_MAX_COLUMNS
-        module._multi_wg_columns = lambda group, q_len: args.wg_columns <= q_len * group <= most
+    if args.wg_columns is not None:
+        widen_warpgroup_columns(module, args.wg_columns)
     if args.q_len:
         entry, query = "decode_multi", problem["query"][:, None].expand(-1, args.q_len, -1, -1).contiguous()
         launch = module.decode_multi_launch(batch, 8, group_size, args.q_len, context, device)
