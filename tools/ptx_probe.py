@@ -376,8 +376,8 @@ def main() -> None:
     if args.warpgroup:
         if not hasattr(module, "tq_decode_multi_stage1_wg"):
             raise SystemExit(f"--warpgroup: {args.config} has no warpgroup stage 1 (Plan.multi_warpgroup)")
-        if args.block_kv not in (64, 128):
-            raise SystemExit(f"--warpgroup: --block-kv must be 64 or 128, got {args.block_kv}")
+        if args.block_kv not in module._WG_TILES:
+            raise SystemExit(f"--warpgroup: --block-kv must be one of {module._WG_TILES}, got {args.block_kv}")
         compiled = compile_multi_stage1_wg(module, args.group_size, args.q_len, block_kv=args.block_kv,
                                            rotate_query=args.rotate_query)
     elif args.mma:
