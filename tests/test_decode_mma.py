@@ -85,7 +85,7 @@ def test_which_configs_get_the_kernel(fields, expected):
 
 
 def test_pending_kernels_are_named_by_the_environment_and_unknown_names_are_refused(monkeypatch):
-    """TQGEN_PENDING_KERNELS names kernels waiting for a re-tune (none waits now: a stand-in one here)."""
+    """TQGEN_PENDING_KERNELS names kernels waiting for a re-tune or a first GPU run (stand-ins here)."""
     monkeypatch.setattr(plan_mod, "PENDING_KERNELS", {"waiting_kernel": "a stand-in", "other_kernel": "another"})
     config = make_config("k3v4", cache_layout="planes", arch="sm90")
     for setting, expected in (("", set()), ("all", {"waiting_kernel", "other_kernel"}),

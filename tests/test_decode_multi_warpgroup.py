@@ -184,6 +184,7 @@ def test_the_pending_blocks_ahead_kernel_renders_and_compiles_for_sm90(monkeypat
     assert "_wg_tile_blocks" not in shipped
     assert ahead.count("_wg_tile_blocks(") == 3  # its definition, the first tile's ids, the next tile's in the loop
     assert ahead.count(per_tile) == shipped.count(per_tile) - 1  # the single-token kernel keeps its own
+    assert max(len(line) for line in ahead.splitlines()) <= render.MAX_LINE  # as tidy as the shipped module
     cases = [(f"{preset}-d128-planes", 8, 4, 128, rotate) for preset in PRESETS for rotate in (False, True)]
     reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600,
                                       environment={"TQGEN_PENDING_KERNELS": "multi_warpgroup_blocks_ahead"})
