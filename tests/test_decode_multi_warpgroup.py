@@ -172,18 +172,21 @@ def test_the_warpgroup_kernel_compiles_for_sm90():
 
 
 def test_the_pending_blocks_ahead_kernel_renders_and_compiles_for_sm90(monkeypatch):
-    """multi_warpgroup_blocks_ahead (plan.PENDING_KERNELS until its first GPU run): with it, the loop tests block
-    ids loaded a tile before (_wg_tile_blocks ahead of the loop and of each next tile) instead of loading its own at
-    the top, and the kernel compiles as the shipped one does: the same wgmma and 16-byte stores, no more than 255
-    registers at 128-token tiles. Without it the module is the shipped one."""
+    """multi_warpgroup_blocks_ahead (plan.PENDING_KERNELS until its first GPU run): with it, the loop tests and
+    copies pages by block ids loaded a tile before (_wg_tile_blocks) instead of loading them where they are used,
+    and the kernel compiles as the shipped one does: the same wgmma and 16-byte stores, no more than 255 registers
+    at 128-token tiles. Without it the module is the shipped one."""
     config = make_config("k3v4", cache_layout="planes", arch="sm90")
     shipped = render.render(config)
     monkeypatch.setenv("TQGEN_PENDING_KERNELS", "multi_warpgroup_blocks_ahead")
     ahead = render.render(config)
     per_tile = "_mma_tile_pages(tile_start, page_in_tile"  # the shipped kernel's load at the top of a tile
-    assert "_wg_tile_blocks" not in shipped
-    assert ahead.count("_wg_tile_blocks(") == 3  # its definition, the first tile's ids, the next tile's in the loop
+    assert "_wg_copy_tile(ahead, " in shipped and "_wg_copy_tile(ahead, " not in ahead  # its copies load their own
+    assert "_wg_copy_tile(copy_blocks, " in ahead
     assert ahead.count(per_tile) == shipped.count(per_tile) - 1  # the single-token kernel keeps its own
+    for loaded_ahead in ("next_blocks = _wg_tile_blocks(tile_start + BLOCK_KV, page_in_tile",
+                         "copy_blocks = _wg_tile_blocks(ahead + BLOCK_KV, copy_page"):
+        assert loaded_ahead not in shipped and loaded_ahead in ahead
     assert max(len(line) for line in ahead.splitlines()) <= render.MAX_LINE  # as tidy as the shipped module
     cases = [(f"{preset}-d128-planes", 8, 4, 128, rotate) for preset in PRESETS for rotate in (False, True)]
     reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600,

@@ -58,8 +58,8 @@ MAX_NUM_WARPS = 32
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
 PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
-    "multi_warpgroup_blocks_ahead": "decode_multi's warpgroup kernel loads each tile's block ids a tile ahead "
-                                    "(outside the decode hash: no tuned file)",
+    "multi_warpgroup_blocks_ahead": "decode_multi's warpgroup kernel loads each tile's block ids (its page test's "
+                                    "and its copies') a tile ahead (outside the decode hash: no tuned file)",
 }
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
