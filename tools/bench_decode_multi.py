@@ -12,8 +12,8 @@ the one it picks itself ("auto"); --dot also times each q_len with stage 1 held 
 than 8 MMA columns (q_len x heads: 4 x 4 and up) under each register cap in turn (the maxnreg that
 `_multi_mma_options` gives it, replaced here; shipped: 168 for the MSE planes presets, none where the grid fits
 one wave), decode's own kernel untouched. --wg-columns N lets the warpgroup kernel take programs of N-32 columns
-(shipped: 17-32) at the launches that name it (BLOCK_KV:3:SPLITS:4), e.g. q_len 1 x 4 heads at small batches; the
-auto launch then stays the one-warp kernel's.
+(shipped: 17-32) at the launches that name it (BLOCK_KV:3:SPLITS:4), e.g. q_len 2 x 4 heads at small batches (not
+q_len 1, which runs decode's own kernels whatever the launch); the auto launch then stays the one-warp kernel's.
 Each launch's output is compared with the auto launch's (max abs difference, printed).
 A config given as CONFIG:MODULE.py times that module file (a render of another ref, tools/render_refs.py) on
 CONFIG's problems, named by the file: two refs' kernels side by side in one run.
@@ -58,6 +58,9 @@ def main():
     parser.add_argument("--wg-columns", type=int, default=None, metavar="N",
                         help="the warpgroup kernel takes programs of N-32 MMA columns (shipped: 17)")
     args = parser.parse_args()
+    if args.wg_columns is not None and 1 in args.q_lens:
+        parser.error("--wg-columns: q_len 1 runs decode's own kernels whatever the launch; the warpgroup kernel "
+                     "takes q_len 2 up (--q-lens 2 ...)")
     launches = [("auto", {})] + [(text, parse_launch(text)) for text in args.launches]
     rows = []
     for entry in args.configs:

@@ -11,10 +11,10 @@ skips the first two stage-1 launches, which include compilation. --variant rende
 tools/stage1_variants.py instead of the shipped kernel. --q-len N runs decode_multi with N query tokens a sequence
 instead (its own launch, or the launch fields given; --warps 4 --stages 3 the warpgroup kernel where the module has
 one, `-k regex:tq_decode_multi_stage1` for ncu); --wg-columns N lets that kernel take programs of N-32 columns
-(shipped: 17), e.g. q_len 1 x 4 heads:
+(shipped: 17), e.g. q_len 2 x 4 heads (q_len 1 runs decode's own kernels whatever the launch):
 
-    TQGEN_NCU_KERNEL=tq_decode_multi_stage1_wg TQGEN_PROFILE_ARGS="--q-len 1 --wg-columns 1 --block-kv 64 \
-        --stages 3 --warps 4 --splits 8" bash tools/ncu_stage1.sh OUT 1x16384 configs/k4v4-d128-planes.yaml
+    TQGEN_NCU_KERNEL=tq_decode_multi_stage1_wg TQGEN_PROFILE_ARGS="--q-len 2 --wg-columns 1 --block-kv 128 \
+        --stages 3 --warps 4 --splits 16" bash tools/ncu_stage1.sh OUT 1x4096 configs/k4v4-d128-planes.yaml
 """
 
 import argparse
@@ -43,6 +43,9 @@ parser.add_argument("--q-heads", type=int, default=32, help="query heads over 8 
 parser.add_argument("--q-len", type=int, help="run decode_multi with this many query tokens a sequence")
 parser.add_argument("--wg-columns", type=int, help="the warpgroup kernel takes programs of N-32 columns")
 args = parser.parse_args()
+if args.wg_columns is not None and (args.q_len or 1) == 1:
+    parser.error("--wg-columns: q_len 1 runs decode's own kernels whatever the launch; the warpgroup kernel takes "
+                 "--q-len 2 up")
 batch, context = map(int, args.shape.split("x"))
 for path in args.configs:
     config = emit.as_config(path)
