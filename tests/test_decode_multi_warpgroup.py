@@ -3,7 +3,9 @@ columns (query tokens x heads) on one 4-warp wgmma program. Which configs render
 the CPU; Gluon never runs in the interpreter, so the kernel compiles offline here and runs against the float64
 reference on a GPU (`pytest -m gpu`)."""
 
+import itertools
 import json
+import re
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from conftest import HAS_CUDA, KernelRecorder, make_config, offline_compile_repo
 from test_decode_multi import (check_decode_multi, check_graph_replays, check_pages_outside_the_cache, multi_inputs,
                                ragged_seq_lens)
 from tqgen import render
-from tqgen.plan import Plan
+from tqgen.plan import Plan, pending_kernels_from_environment
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
 
@@ -21,7 +23,11 @@ WARPGROUP_CASES = [(8, 4), (5, 4), (3, 6), (4, 8), (3, 8), (2, 16)]
 # The warpgroup kernel's launch (decode_multi_launch gives it from 16 (sequence, KV head) pairs up; these small
 # batches pass it); the kernel takes 64-token tiles too
 WARPGROUP_LAUNCH = dict(block_kv=128, num_warps=4, num_stages=3)
-PRESETS = ["k4v4", "k3v4"]  # planes: 4-bit keys (the symmetric lookup) and split 3-bit keys, 4-bit values
+SHIPPED_PRESETS = ["k4v4", "k3v4"]  # planes: 4-bit keys (the symmetric lookup) and split 3-bit keys, 4-bit values
+# Split 3-bit values (k3v3) while multi_warpgroup_split_values waits for its first GPU run: where
+# TQGEN_PENDING_KERNELS names it (tools/run_gpu.sh with TQGEN_PENDING_KERNELS=all)
+SPLIT_VALUES = "multi_warpgroup_split_values" in pending_kernels_from_environment()
+PRESETS = SHIPPED_PRESETS + (["k3v3"] if SPLIT_VALUES else [])
 
 
 @pytest.fixture
@@ -43,7 +49,7 @@ def hopper(module, monkeypatch, sm_count=132):
 def test_only_mse_keys_with_4_bit_values_in_16_token_planes_render_it():
     cases = [(dict(preset="k4v4", cache_layout="planes"), True), (dict(preset="k4v4", cache_layout="slots"), False),
              (dict(preset="k3v4", cache_layout="planes"), True), (dict(preset="k3v4", cache_layout="slots"), False),
-             (dict(preset="k3v3", cache_layout="planes"), False),
+             (dict(preset="k3v3", cache_layout="planes"), SPLIT_VALUES),
              (dict(preset="k8v4", cache_layout="planes", arch="sm90"), False),
              (dict(preset="k4v4", cache_layout="planes", block_size=32), False),
              (dict(preset="k4v4", cache_layout="planes", head_dim=64), False)]
@@ -139,7 +145,8 @@ for stem, q_len, group_size, block_kv, rotate in json.loads(sys.argv[1]):
                                                  rotate_query=rotate)
     ptx = compiled.asm["ptx"]
     print(json.dumps(dict(wgmma=ptx.count("wgmma.mma_async"), shared_bytes=compiled.metadata.shared,
-                          registers=int(ptx_probe.ptxas_usage(ptx).split()[1]), stores=ptx.count("st.global.v4"))))
+                          registers=int(ptx_probe.ptxas_usage(ptx).split()[1]), stores=ptx.count("st.global.v4"),
+                          ldmatrix_trans=ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans"))))
 """
 
 
@@ -160,7 +167,8 @@ def test_the_warpgroup_kernel_compiles_for_sm90():
     for case, report in zip(cases, reports):
         block_kv, rotate = case[3:]
         key_bytes = 64 if case[0].startswith("k4") else 48  # a token's key codes: 128 x 4 or 3 bits
-        ring = 3 * block_kv * (key_bytes + 64 + 2 + 4)  # key codes, value units, key norms, value scale-zeros
+        value_bytes = 48 if "v3" in case[0] else 64  # and its value codes
+        ring = 3 * block_kv * (key_bytes + value_bytes + 2 + 4)  # and its key norm and value scale-zero
         assert report["wgmma"] == 16 * block_kv // 64 + (16 if rotate else 0), case
         operands = 128 * 32 * 2 + block_kv * 32 * 2  # Q^T and P, fp16
         # and the warps' maxes (4 x 32 fp32) and flags, with the allocator's alignment: under 1 KB; where it rotates,
@@ -171,30 +179,72 @@ def test_the_warpgroup_kernel_compiles_for_sm90():
         assert report["stores"] == 8, (case, report)
 
 
-def test_the_pending_blocks_ahead_kernel_renders_and_compiles_for_sm90(monkeypatch):
-    """multi_warpgroup_blocks_ahead (plan.PENDING_KERNELS until its first GPU run): with it, the loop tests and
-    copies pages by block ids loaded a tile before (_wg_tile_blocks) instead of loading them where they are used,
-    and the kernel compiles as the shipped one does: the same wgmma and 16-byte stores, no more than 255 registers
-    at 128-token tiles. Without it the module is the shipped one."""
-    config = make_config("k3v4", cache_layout="planes", arch="sm90")
-    shipped = render.render(config)
-    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "multi_warpgroup_blocks_ahead")
-    ahead = render.render(config)
-    per_tile = "_mma_tile_pages(tile_start, page_in_tile"  # the shipped kernel's load at the top of a tile
-    assert "_wg_copy_tile(ahead, " in shipped and "_wg_copy_tile(ahead, " not in ahead  # its copies load their own
-    assert "_wg_copy_tile(copy_blocks, " in ahead
-    assert ahead.count(per_tile) == shipped.count(per_tile) - 1  # the single-token kernel keeps its own
+def test_the_kernel_loads_each_tiles_block_ids_a_tile_before_it_uses_them():
+    """The page test at the top of a tile and the ring's copies of the tile two ahead read block ids loaded a loop
+    pass before (_wg_tile_blocks; without it each tile began with waits on the block table: docs/limits.md); only
+    the single-token kernel loads its pages where it uses them (_mma_tile_pages)."""
+    source = render.render(make_config("k3v4", cache_layout="planes", arch="sm90"))
+    kernel = source[source.index("def tq_decode_multi_stage1_wg("):]
+    kernel = kernel[:kernel.index("\n\n\n")]
+    assert "_mma_tile_pages(" not in kernel
+    assert "page_ok = _wg_blocks_ok(next_blocks, num_blocks)" in kernel
+    loop = kernel[kernel.index("for tile_start in range("):]
     for loaded_ahead in ("next_blocks = _wg_tile_blocks(tile_start + BLOCK_KV, page_in_tile",
-                         "copy_blocks = _wg_tile_blocks(ahead + BLOCK_KV, copy_page"):
-        assert loaded_ahead not in shipped and loaded_ahead in ahead
-    assert max(len(line) for line in ahead.splitlines()) <= render.MAX_LINE  # as tidy as the shipped module
-    cases = [(f"{preset}-d128-planes", 8, 4, 128, rotate) for preset in PRESETS for rotate in (False, True)]
+                         "copy_blocks = _wg_tile_blocks(ahead + BLOCK_KV, copy_page", "_wg_copy_tile(copy_blocks, "):
+        assert loop.count(loaded_ahead) == 1, loaded_ahead
+    assert loop.index("page_ok = _wg_blocks_ok(next_blocks") < loop.index("next_blocks = _wg_tile_blocks(")
+    assert loop.index("_wg_copy_tile(copy_blocks, ") < loop.index("copy_blocks = _wg_tile_blocks(")
+
+
+def test_the_pending_split_values_kernel_decodes_each_code_where_its_row_expects_it(monkeypatch):
+    """multi_warpgroup_split_values (plan.PENDING_KERNELS until its first GPU run): k3v3 planes renders the warpgroup
+    kernel only with it. Its value decode, evaluated on every group the store can write (the rendered masks, shifts
+    and orders): field i = r + 2s of low byte h, after the low word's shift by 8h and the high byte's by 2 - h, is
+    code 4r + 2h + s of the group (the code the out^T row of (s, h, r) maps back to), at bits 2i..2i + 2 alone."""
+    config = make_config("k3v3", cache_layout="planes", arch="sm90")
+    monkeypatch.delenv("TQGEN_PENDING_KERNELS", raising=False)
+    assert "def tq_decode_multi_stage1_wg(" not in render.render(config)
+    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "multi_warpgroup_split_values")
+    plan = Plan.from_config(config)
+    assert plan.multi_warpgroup and plan.multi_warpgroup_split_values
+    source = render.render(config)
+    assert max(len(line) for line in source.splitlines()) <= render.MAX_LINE
+    assert "low = low >> (8 * h)" in source and "high = high << (2 - h)" in source
+    selects = dict(re.findall(r"(even|odd)_fields = low \^ \(\(low \^ high\) & 0x([0-9A-F]{8})\)", source))
+    masks = re.findall(r"code(\d) = (even|odd)_fields & 0x([0-9A-F]{8})", source)
+    assert sorted(selects) == ["even", "odd"] and [int(code) for code, _, _ in masks] == [0, 1, 2, 3]
+    layout = plan.layout
+    for codes in itertools.product(range(8), repeat=2):  # two codes of a group at a time: every pair of codes
+        for first, second in itertools.permutations(range(8), 2):
+            group = [0] * 8
+            group[first], group[second] = codes
+            low = sum((group[k] >> bit & 1) << layout.group_word_bit(3, k, bit) for k in range(8) for bit in (0, 1))
+            high = sum((group[k] >> 2 & 1) << (layout.group_word_bit(3, k, 2) - 16) for k in range(8))
+            for h in (0, 1):
+                shifted_low, shifted_high = low >> 8 * h, high << (2 - h)
+                for field, (_, fields, mask) in enumerate(masks):
+                    select = int(selects[fields], 16)
+                    word = (shifted_low ^ ((shifted_low ^ shifted_high) & select)) & int(mask, 16)
+                    assert word & ~(7 << 2 * field) & 0xFFFF == 0
+                    r, s = field & 1, field >> 1
+                    code = group[plan.multi_warpgroup_value_code(h, field)]
+                    assert word >> 2 * field == group[4 * r + 2 * h + s] == code
+
+
+def test_the_pending_split_values_kernel_compiles_for_sm90():
+    """With multi_warpgroup_split_values, k3v3's warpgroup kernel compiles as the others do: 32 wgmma a 128-token
+    tile (16 more where it rotates the query), 16-byte stores, a ring of 48 + 48 + 2 + 4 bytes a token, at most 168
+    registers at 64-token tiles and 255 at 128; its low words through ldmatrix as the 4-bit units are."""
+    cases = [("k3v3-d128-planes", 8, 4, block_kv, rotate) for block_kv in (64, 128) for rotate in (False, True)]
     reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600,
-                                      environment={"TQGEN_PENDING_KERNELS": "multi_warpgroup_blocks_ahead"})
+                                      environment={"TQGEN_PENDING_KERNELS": "multi_warpgroup_split_values"})
     assert len(reports) == len(cases)
-    for case, report in zip(cases, reports):
-        assert report["wgmma"] == 32 + (16 if case[4] else 0), (case, report)
-        assert report["registers"] <= 255 and report["stores"] == 8, (case, report)
+    for (_, _, _, block_kv, rotate), report in zip(cases, reports):
+        assert report["wgmma"] == 16 * block_kv // 64 + (16 if rotate else 0), report
+        ring = 3 * block_kv * (48 + 48 + 2 + 4)
+        assert ring + 128 * 32 * 2 + block_kv * 32 * 2 <= report["shared_bytes"], report
+        assert report["registers"] <= (168 if block_kv == 64 else 255) and report["stores"] == 8, report
+        assert report["ldmatrix_trans"] >= block_kv // 32, report
 
 
 # --- on the GPU --------------------------------------------------------------------------------------------------

@@ -58,8 +58,8 @@ MAX_NUM_WARPS = 32
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
 PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
-    "multi_warpgroup_blocks_ahead": "decode_multi's warpgroup kernel loads each tile's block ids (its page test's "
-                                    "and its copies') a tile ahead (outside the decode hash: no tuned file)",
+    "multi_warpgroup_split_values": "decode_multi's warpgroup kernel on split 3-bit values too (k3v3 planes; outside "
+                                    "the decode hash: no tuned file)",
 }
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
@@ -255,19 +255,44 @@ class Plan:
     def multi_warpgroup(self) -> bool:
         """decode_multi's programs of 17-32 MMA columns run on one warpgroup (decode/multi_warpgroup.py.jinja): MSE
         keys of 4 bits (the symmetric lookup) or split 3 bits, 4-bit values (16-bit units of 4 codes, a lane's share
-        of out^T's rows), planes, head_dim 128, 16-token pages (a 64-token tile is a page a warp)."""
+        of out^T's rows) or split 3-bit ones (multi_warpgroup_split_values, pending), planes, head_dim 128, 16-token
+        pages (a 64-token tile is a page a warp)."""
         layout = self.layout
         keys_ok = self.symmetric_key_lookup or (self.mma_stage1 and not layout.key_fp8 and self.key_codes.split)
-        return (keys_ok and layout.planes and layout.value_bits == 4 and layout.head_dim == 128
-                and layout.page_size == 16)
+        values_ok = layout.value_bits == 4 or self.multi_warpgroup_split_values
+        return keys_ok and values_ok and layout.planes and layout.head_dim == 128 and layout.page_size == 16
+
+    @property
+    def multi_warpgroup_split_values(self) -> bool:
+        """The warpgroup kernel takes split 3-bit values (pending `multi_warpgroup_split_values`): warp 2c + h
+        decodes low byte h of the 16-bit low words of groups 8c..8c + 7 (4 codes of each group a lane, the 4 rows
+        a lane holds of each token), each code's high bit shifted in beside its low bits (multi_warpgroup_value_code).
+        """
+        return self.layout.split_high_bits(self.layout.value_bits) and self.renders("multi_warpgroup_split_values")
+
+    def multi_warpgroup_value_code(self, low_byte: int, field: int) -> int:
+        """Split 3-bit values in the warpgroup kernel: which code of a group (0..7) sits in 2-bit field `field`
+        (0..3) of low byte `low_byte` (0, 1) of the group's 16-bit low word. The kernel relies on two facts of the
+        split orders, checked here: that code's high bit is bit 2 field + low_byte of the group's high byte (so one
+        shift by 2 - low_byte puts every high bit of the byte's 4 codes beside their low bits), and the code is
+        4 r + 2 low_byte + s for field r + 2 s (the order in which out^T's rows come back to head dims)."""
+        code = SPLIT_LOW_ORDER[4 * low_byte + field]
+        assert SPLIT_HIGH_ORDER.index(code) == 2 * field + low_byte, "a high bit out of its low byte's pattern"
+        assert code == 4 * (field & 1) + 2 * low_byte + (field >> 1), "codes out of the rows' head-dim order"
+        return code
 
     @property
     def multi_warpgroup_ring_fields(self) -> list[RingField]:
         """What the warpgroup kernel's ring copies per tile: ring_fields, but the value codes as 16-bit units (4
         codes each; warp w decodes units 8w..8w + 7 of every token)."""
         value = self.ring_field("value")
-        units = dataclasses.replace(value, dtype="gl.int16", unit_bytes=2, units=value.units * 2)
-        return [units if field.name == "value" else field for field in self.ring_fields]
+        if self.multi_warpgroup_split_values:  # group j's 16-bit low word and its high byte: unit j of each
+            high = self.ring_field("value_high")
+            replaced = {"value": dataclasses.replace(value, dtype="gl.int16", unit_bytes=2, units=self.D // 8),
+                        "value_high": dataclasses.replace(high, dtype="gl.uint8", unit_bytes=1, units=self.D // 8)}
+        else:
+            replaced = {"value": dataclasses.replace(value, dtype="gl.int16", unit_bytes=2, units=value.units * 2)}
+        return [replaced.get(field.name, field) for field in self.ring_fields]
 
     @property
     def hadamard_keys(self) -> bool:
