@@ -14,7 +14,7 @@ from conftest import HAS_CUDA, KernelRecorder, make_config, offline_compile_repo
 from test_decode_multi import (check_decode_multi, check_graph_replays, check_pages_outside_the_cache, multi_inputs,
                                ragged_seq_lens)
 from tqgen import render
-from tqgen.plan import Plan, pending_kernels_from_environment
+from tqgen.plan import Plan
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
 
@@ -23,11 +23,8 @@ WARPGROUP_CASES = [(8, 4), (5, 4), (3, 6), (4, 8), (3, 8), (2, 16)]
 # The warpgroup kernel's launch (decode_multi_launch gives it from 16 (sequence, KV head) pairs up; these small
 # batches pass it); the kernel takes 64-token tiles too
 WARPGROUP_LAUNCH = dict(block_kv=128, num_warps=4, num_stages=3)
-SHIPPED_PRESETS = ["k4v4", "k3v4"]  # planes: 4-bit keys (the symmetric lookup) and split 3-bit keys, 4-bit values
-# Split 3-bit values (k3v3) while multi_warpgroup_split_values waits for its first GPU run: where
-# TQGEN_PENDING_KERNELS names it (tools/run_gpu.sh with TQGEN_PENDING_KERNELS=all)
-SPLIT_VALUES = "multi_warpgroup_split_values" in pending_kernels_from_environment()
-PRESETS = SHIPPED_PRESETS + (["k3v3"] if SPLIT_VALUES else [])
+# planes: 4-bit keys (the symmetric lookup) and split 3-bit keys with 4-bit values, and split 3-bit values
+PRESETS = ["k4v4", "k3v4", "k3v3"]
 
 
 @pytest.fixture
@@ -46,10 +43,10 @@ def hopper(module, monkeypatch, sm_count=132):
     monkeypatch.setattr(module, "_sm_count", lambda device: sm_count)
 
 
-def test_only_mse_keys_with_4_bit_values_in_16_token_planes_render_it():
+def test_only_mse_keys_with_4_bit_or_split_3_bit_values_in_16_token_planes_render_it():
     cases = [(dict(preset="k4v4", cache_layout="planes"), True), (dict(preset="k4v4", cache_layout="slots"), False),
              (dict(preset="k3v4", cache_layout="planes"), True), (dict(preset="k3v4", cache_layout="slots"), False),
-             (dict(preset="k3v3", cache_layout="planes"), SPLIT_VALUES),
+             (dict(preset="k3v3", cache_layout="planes"), True), (dict(preset="k3v3", cache_layout="slots"), False),
              (dict(preset="k8v4", cache_layout="planes", arch="sm90"), False),
              (dict(preset="k4v4", cache_layout="planes", block_size=32), False),
              (dict(preset="k4v4", cache_layout="planes", head_dim=64), False)]
@@ -157,7 +154,8 @@ def test_the_warpgroup_kernel_compiles_for_sm90():
     tokens x 134 bytes, k4v4) beside Q^T, P and the warps' maxes (and at most the unrotated query where it
     rotates), the partials stored 16 bytes at a time (128 head dims x 32 columns over 128 lanes: 8 stores a lane),
     and at most 168 registers a lane at 64-token tiles (3 programs of 4 warps an SM), 255 at 128 (2 an SM, as many
-    as _multi_wg_launch asks for)."""
+    as _multi_wg_launch asks for); the values' 16-bit units (k3v3: the low words) through ldmatrix, 8 tokens a lane
+    an instruction."""
     cases = [(f"{preset}-d128-planes", q_len, group_size, 64, False) for preset in PRESETS
              for q_len, group_size in WARPGROUP_CASES]
     cases += [(f"{preset}-d128-planes", 8, 4, 128, False) for preset in PRESETS]
@@ -177,6 +175,7 @@ def test_the_warpgroup_kernel_compiles_for_sm90():
         assert ring + operands <= report["shared_bytes"] <= ring + operands + query + 1024, (case, report)
         assert report["registers"] <= (168 if block_kv == 64 else 255), (case, report)
         assert report["stores"] == 8, (case, report)
+        assert report["ldmatrix_trans"] == block_kv // 32, (case, report)  # the value units' (k3v3: low words)
 
 
 def test_the_kernel_loads_each_tiles_block_ids_a_tile_before_it_uses_them():
@@ -196,19 +195,15 @@ def test_the_kernel_loads_each_tiles_block_ids_a_tile_before_it_uses_them():
     assert loop.index("_wg_copy_tile(copy_blocks, ") < loop.index("copy_blocks = _wg_tile_blocks(")
 
 
-def test_the_pending_split_values_kernel_decodes_each_code_where_its_row_expects_it(monkeypatch):
-    """multi_warpgroup_split_values (plan.PENDING_KERNELS until its first GPU run): k3v3 planes renders the warpgroup
-    kernel only with it. Its value decode, evaluated on every group the store can write (the rendered masks, shifts
-    and orders): field i = r + 2s of low byte h, after the low word's shift by 8h and the high byte's by 2 - h, is
-    code 4r + 2h + s of the group (the code the out^T row of (s, h, r) maps back to), at bits 2i..2i + 2 alone."""
+def test_the_split_values_decode_puts_each_code_where_its_row_expects_it():
+    """k3v3's value decode (Plan.multi_warpgroup_split_values), evaluated on every group the store can write (the
+    rendered masks, shifts and orders): field i = r + 2s of low byte h, after the low word's shift by 8h and the
+    high byte's by 2 - h, is code 4r + 2h + s of the group (the code the out^T row of (s, h, r) maps back to), at
+    bits 2i..2i + 2 alone."""
     config = make_config("k3v3", cache_layout="planes", arch="sm90")
-    monkeypatch.delenv("TQGEN_PENDING_KERNELS", raising=False)
-    assert "def tq_decode_multi_stage1_wg(" not in render.render(config)
-    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "multi_warpgroup_split_values")
     plan = Plan.from_config(config)
     assert plan.multi_warpgroup and plan.multi_warpgroup_split_values
     source = render.render(config)
-    assert max(len(line) for line in source.splitlines()) <= render.MAX_LINE
     assert "low = low >> (8 * h)" in source and "high = high << (2 - h)" in source
     selects = dict(re.findall(r"(even|odd)_fields = low \^ \(\(low \^ high\) & 0x([0-9A-F]{8})\)", source))
     masks = re.findall(r"code(\d) = (even|odd)_fields & 0x([0-9A-F]{8})", source)
@@ -229,22 +224,6 @@ def test_the_pending_split_values_kernel_decodes_each_code_where_its_row_expects
                     r, s = field & 1, field >> 1
                     code = group[plan.multi_warpgroup_value_code(h, field)]
                     assert word >> 2 * field == group[4 * r + 2 * h + s] == code
-
-
-def test_the_pending_split_values_kernel_compiles_for_sm90():
-    """With multi_warpgroup_split_values, k3v3's warpgroup kernel compiles as the others do: 32 wgmma a 128-token
-    tile (16 more where it rotates the query), 16-byte stores, a ring of 48 + 48 + 2 + 4 bytes a token, at most 168
-    registers at 64-token tiles and 255 at 128; its low words through ldmatrix as the 4-bit units are."""
-    cases = [("k3v3-d128-planes", 8, 4, block_kv, rotate) for block_kv in (64, 128) for rotate in (False, True)]
-    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600,
-                                      environment={"TQGEN_PENDING_KERNELS": "multi_warpgroup_split_values"})
-    assert len(reports) == len(cases)
-    for (_, _, _, block_kv, rotate), report in zip(cases, reports):
-        assert report["wgmma"] == 16 * block_kv // 64 + (16 if rotate else 0), report
-        ring = 3 * block_kv * (48 + 48 + 2 + 4)
-        assert ring + 128 * 32 * 2 + block_kv * 32 * 2 <= report["shared_bytes"], report
-        assert report["registers"] <= (168 if block_kv == 64 else 255) and report["stores"] == 8, report
-        assert report["ldmatrix_trans"] >= block_kv // 32, report
 
 
 # --- on the GPU --------------------------------------------------------------------------------------------------

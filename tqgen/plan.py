@@ -58,8 +58,6 @@ MAX_NUM_WARPS = 32
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
 PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
-    "multi_warpgroup_split_values": "decode_multi's warpgroup kernel on split 3-bit values too (k3v3 planes; outside "
-                                    "the decode hash: no tuned file)",
 }
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
@@ -255,8 +253,8 @@ class Plan:
     def multi_warpgroup(self) -> bool:
         """decode_multi's programs of 17-32 MMA columns run on one warpgroup (decode/multi_warpgroup.py.jinja): MSE
         keys of 4 bits (the symmetric lookup) or split 3 bits, 4-bit values (16-bit units of 4 codes, a lane's share
-        of out^T's rows) or split 3-bit ones (multi_warpgroup_split_values, pending), planes, head_dim 128, 16-token
-        pages (a 64-token tile is a page a warp)."""
+        of out^T's rows) or split 3-bit ones (multi_warpgroup_split_values), planes, head_dim 128, 16-token pages (a
+        64-token tile is a page a warp)."""
         layout = self.layout
         keys_ok = self.symmetric_key_lookup or (self.mma_stage1 and not layout.key_fp8 and self.key_codes.split)
         values_ok = layout.value_bits == 4 or self.multi_warpgroup_split_values
@@ -264,11 +262,10 @@ class Plan:
 
     @property
     def multi_warpgroup_split_values(self) -> bool:
-        """The warpgroup kernel takes split 3-bit values (pending `multi_warpgroup_split_values`): warp 2c + h
-        decodes low byte h of the 16-bit low words of groups 8c..8c + 7 (4 codes of each group a lane, the 4 rows
-        a lane holds of each token), each code's high bit shifted in beside its low bits (multi_warpgroup_value_code).
-        """
-        return self.layout.split_high_bits(self.layout.value_bits) and self.renders("multi_warpgroup_split_values")
+        """The warpgroup kernel's values are split 3-bit codes (k3v3 planes): warp 2c + h decodes low byte h of the
+        16-bit low words of groups 8c..8c + 7 (4 codes of each group a lane, the 4 rows a lane holds of each token),
+        each code's high bit shifted in beside its low bits (multi_warpgroup_value_code)."""
+        return self.layout.split_high_bits(self.layout.value_bits)
 
     def multi_warpgroup_value_code(self, low_byte: int, field: int) -> int:
         """Split 3-bit values in the warpgroup kernel: which code of a group (0..7) sits in 2-bit field `field`
