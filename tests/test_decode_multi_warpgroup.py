@@ -14,7 +14,7 @@ from conftest import HAS_CUDA, KernelRecorder, make_config, offline_compile_repo
 from test_decode_multi import (check_decode_multi, check_graph_replays, check_pages_outside_the_cache, multi_inputs,
                                ragged_seq_lens)
 from tqgen import render
-from tqgen.plan import Plan
+from tqgen.plan import Plan, pending_kernels_from_environment
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
 
@@ -25,6 +25,8 @@ WARPGROUP_CASES = [(8, 4), (5, 4), (3, 6), (4, 8), (3, 8), (2, 16)]
 WARPGROUP_LAUNCH = dict(block_kv=128, num_warps=4, num_stages=3)
 # planes: 4-bit keys (the symmetric lookup) and split 3-bit keys with 4-bit values, and split 3-bit values
 PRESETS = ["k4v4", "k3v4", "k3v3"]
+# fp8 keys (k8v4) while multi_warpgroup_fp8_keys waits for its first GPU run (TQGEN_PENDING_KERNELS names it)
+FP8_KEYS = "multi_warpgroup_fp8_keys" in pending_kernels_from_environment()
 
 
 @pytest.fixture
@@ -47,7 +49,7 @@ def test_only_mse_keys_with_4_bit_or_split_3_bit_values_in_16_token_planes_rende
     cases = [(dict(preset="k4v4", cache_layout="planes"), True), (dict(preset="k4v4", cache_layout="slots"), False),
              (dict(preset="k3v4", cache_layout="planes"), True), (dict(preset="k3v4", cache_layout="slots"), False),
              (dict(preset="k3v3", cache_layout="planes"), True), (dict(preset="k3v3", cache_layout="slots"), False),
-             (dict(preset="k8v4", cache_layout="planes", arch="sm90"), False),
+             (dict(preset="k8v4", cache_layout="planes", arch="sm90"), FP8_KEYS),
              (dict(preset="k4v4", cache_layout="planes", block_size=32), False),
              (dict(preset="k4v4", cache_layout="planes", head_dim=64), False)]
     for fields, expected in cases:
@@ -226,6 +228,49 @@ def test_the_split_values_decode_puts_each_code_where_its_row_expects_it():
                     assert word >> 2 * field == group[4 * r + 2 * h + s] == code
 
 
+def test_the_pending_fp8_keys_kernel_renders_launches_and_compiles_for_sm90(build_module, monkeypatch):
+    """multi_warpgroup_fp8_keys (plan.PENDING_KERNELS until its first GPU run): k8v4 planes renders the warpgroup
+    kernel only with it. decode_multi then launches it for 32 columns with the caller's query (its dtype and all four
+    strides, scale * log2(e); no tq_prepare_query, no centroids, not a dependent launch), and it compiles offline as
+    the MSE kernels do: 32 wgmma a 128-token tile, 16-byte stores, at most 168 registers at 64-token tiles and 255
+    at 128, a ring of 128 + 64 + 4 bytes a token."""
+    config = make_config("k8v4", cache_layout="planes", arch="sm90")
+    monkeypatch.delenv("TQGEN_PENDING_KERNELS", raising=False)
+    assert "def tq_decode_multi_stage1_wg(" not in render.render(config)
+    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "multi_warpgroup_fp8_keys")
+    assert Plan.from_config(config).multi_warpgroup
+    source = render.render(config)
+    assert max(len(line) for line in source.splitlines()) <= render.MAX_LINE
+    kernel = source[source.index("def tq_decode_multi_stage1_wg("):]
+    assert "centroids_ptr" not in kernel[:kernel.index("):")] and "stride_query_dim," in kernel
+    module = build_module(config)
+    hopper(module, monkeypatch)
+    warpgroup, one_warp, stage2 = KernelRecorder(), KernelRecorder(), KernelRecorder()
+    monkeypatch.setattr(module, "tq_decode_multi_stage1_wg", warpgroup)
+    monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", one_warp)
+    monkeypatch.setattr(module, "tq_decode_stage2", stage2)
+    monkeypatch.setattr(module, "_WG_MIN_PROGRAMS", 1)
+    batch, cache, query, kwargs = multi_inputs(module, config, [40], "cpu", 8, dtype=torch.bfloat16)
+    query = query.transpose(1, 2).contiguous().transpose(1, 2)  # strided: the kernel takes any strides
+    module.decode_multi(query, cache, batch.block_table, batch.seq_lens, num_splits=3, scale=0.5, **kwargs)
+    assert not one_warp.launches and len(stage2.launches) == 1
+    (grid, args, launch), = warpgroup.launches
+    assert grid == (1, 2, 3) and args[0] is query
+    assert args[11:15] == query.stride()
+    assert args[-1] == pytest.approx(0.5 * 1.4426950408889634)
+    assert (launch["Q_LEN"], launch["GROUP_SIZE"], launch["BLOCK_KV"], launch["DEPENDENT_LAUNCH"]) == (8, 4, 128, False)
+    assert launch["num_warps"] == 4 and "launch_pdl" not in launch
+    cases = [("k8v4-d128-planes", 8, 4, block_kv, False) for block_kv in (64, 128)]
+    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600,
+                                      environment={"TQGEN_PENDING_KERNELS": "multi_warpgroup_fp8_keys"})
+    assert len(reports) == len(cases)
+    for (_, _, _, block_kv, _), report in zip(cases, reports):
+        assert report["wgmma"] == 16 * block_kv // 64 and report["stores"] == 8, report
+        assert report["registers"] <= (168 if block_kv == 64 else 255), report
+        ring = 3 * block_kv * (128 + 64 + 4)
+        assert ring + 128 * 32 * 2 + block_kv * 32 * 2 <= report["shared_bytes"], report
+
+
 # --- on the GPU --------------------------------------------------------------------------------------------------
 def on_hopper(warpgroup_modules, monkeypatch, preset):
     """(module, config, a spy on its warpgroup kernel), or the test skipped on a GPU other than Hopper's."""
@@ -276,3 +321,24 @@ def test_the_warpgroup_kernel_replays_in_a_cuda_graph(warpgroup_modules, monkeyp
     module, config, spy = on_hopper(warpgroup_modules, monkeypatch, preset)
     check_graph_replays(module, config, 8, 4, **WARPGROUP_LAUNCH)
     assert spy.launches
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.skipif(not FP8_KEYS, reason="multi_warpgroup_fp8_keys is pending: TQGEN_PENDING_KERNELS names it")
+@pytest.mark.parametrize("block_kv", [64, 128])
+@pytest.mark.parametrize("q_len,group_size", WARPGROUP_CASES)
+def test_the_pending_fp8_keys_kernel_matches_the_reference_on_the_gpu(warpgroup_modules, monkeypatch, q_len,
+                                                                      group_size, block_kv):
+    """k8v4 planes on the warpgroup kernel: ragged sequences as above, fp32, fp16 (strided) and bf16 queries read
+    and scaled by the kernel itself; then pages outside the cache masked, and a CUDA-graph replay."""
+    module, config, spy = on_hopper(warpgroup_modules, monkeypatch, "k8v4")
+    launch = dict(WARPGROUP_LAUNCH, block_kv=block_kv)
+    for num_splits, dtype in ((1, torch.float32), (5, torch.float16), (2, torch.bfloat16), (40, torch.float32)):
+        check_decode_multi(module, config, "cuda", ragged_seq_lens(q_len) + [1000], q_len, group_size=group_size,
+                           dtype=dtype, num_splits=num_splits, strided_query=dtype == torch.float16, **launch)
+    assert len(spy.launches) == 4
+    if (q_len, group_size) == (8, 4):
+        check_pages_outside_the_cache(module, config, 10, (1, 6), 8, **launch)
+        check_graph_replays(module, config, 8, 4, **WARPGROUP_LAUNCH)
+        assert len(spy.launches) > 7

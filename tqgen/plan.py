@@ -58,6 +58,8 @@ MAX_NUM_WARPS = 32
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
 PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
+    "multi_warpgroup_fp8_keys": "decode_multi's warpgroup kernel on fp8 keys too (k8v4 planes; outside the decode "
+                                "hash: no tuned file)",
 }
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
@@ -256,9 +258,17 @@ class Plan:
         of out^T's rows) or split 3-bit ones (multi_warpgroup_split_values), planes, head_dim 128, 16-token pages (a
         64-token tile is a page a warp)."""
         layout = self.layout
-        keys_ok = self.symmetric_key_lookup or (self.mma_stage1 and not layout.key_fp8 and self.key_codes.split)
+        keys_ok = (self.symmetric_key_lookup or (self.mma_stage1 and not layout.key_fp8 and self.key_codes.split)
+                   or self.multi_warpgroup_fp8_keys)
         values_ok = layout.value_bits == 4 or self.multi_warpgroup_split_values
         return keys_ok and values_ok and layout.planes and layout.head_dim == 128 and layout.page_size == 16
+
+    @property
+    def multi_warpgroup_fp8_keys(self) -> bool:
+        """The warpgroup kernel takes fp8 keys (pending `multi_warpgroup_fp8_keys`): each lane's e4m3 bytes converted
+        to fp16 in the single-token kernel's order, the caller's query loaded and scaled in the kernel (no rotation,
+        no norm)."""
+        return self.mma_stage1 and self.layout.key_fp8 and self.renders("multi_warpgroup_fp8_keys")
 
     @property
     def multi_warpgroup_split_values(self) -> bool:
