@@ -13,6 +13,7 @@ import torch
 from conftest import HAS_CUDA, KernelRecorder, make_config, offline_compile_reports
 from test_decode_multi import (check_decode_multi, check_graph_replays, check_pages_outside_the_cache, multi_inputs,
                                ragged_seq_lens)
+import tqgen
 from tqgen import render
 from tqgen.plan import Plan, pending_kernels_from_environment
 
@@ -228,7 +229,7 @@ def test_the_split_values_decode_puts_each_code_where_its_row_expects_it():
                     assert word >> 2 * field == group[4 * r + 2 * h + s] == code
 
 
-def test_the_pending_fp8_keys_kernel_renders_launches_and_compiles_for_sm90(build_module, monkeypatch):
+def test_the_pending_fp8_keys_kernel_renders_launches_and_compiles_for_sm90(tmp_path, monkeypatch):
     """multi_warpgroup_fp8_keys (plan.PENDING_KERNELS until its first GPU run): k8v4 planes renders the warpgroup
     kernel only with it. decode_multi then launches it for 32 columns with the caller's query (its dtype and all four
     strides, scale * log2(e); no tq_prepare_query, no centroids, not a dependent launch), and it compiles offline as
@@ -243,7 +244,7 @@ def test_the_pending_fp8_keys_kernel_renders_launches_and_compiles_for_sm90(buil
     assert max(len(line) for line in source.splitlines()) <= render.MAX_LINE
     kernel = source[source.index("def tq_decode_multi_stage1_wg("):]
     assert "centroids_ptr" not in kernel[:kernel.index("):")] and "stride_query_dim," in kernel
-    module = build_module(config)
+    module = tqgen.load(config, tmp_path)  # built with the switch (build_module's cache may hold one without)
     hopper(module, monkeypatch)
     warpgroup, one_warp, stage2 = KernelRecorder(), KernelRecorder(), KernelRecorder()
     monkeypatch.setattr(module, "tq_decode_multi_stage1_wg", warpgroup)
