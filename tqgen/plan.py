@@ -254,9 +254,9 @@ class Plan:
     @property
     def multi_warpgroup(self) -> bool:
         """decode_multi's programs of 17-32 MMA columns run on one warpgroup (decode/multi_warpgroup.py.jinja): MSE
-        keys of 4 bits (the symmetric lookup) or split 3 bits, 4-bit values (16-bit units of 4 codes, a lane's share
-        of out^T's rows) or split 3-bit ones (multi_warpgroup_split_values), planes, head_dim 128, 16-token pages (a
-        64-token tile is a page a warp)."""
+        keys of 4 bits (the symmetric lookup) or split 3 bits (fp8 keys too where multi_warpgroup_fp8_keys renders),
+        4-bit values (16-bit units of 4 codes, a lane's share of out^T's rows) or split 3-bit ones
+        (multi_warpgroup_split_values), planes, head_dim 128, 16-token pages (a 64-token tile is a page a warp)."""
         layout = self.layout
         keys_ok = (self.symmetric_key_lookup or (self.mma_stage1 and not layout.key_fp8 and self.key_codes.split)
                    or self.multi_warpgroup_fp8_keys)
@@ -290,10 +290,11 @@ class Plan:
 
     @property
     def multi_warpgroup_ring_fields(self) -> list[RingField]:
-        """What the warpgroup kernel's ring copies per tile: ring_fields, but the value codes as 16-bit units (4
-        codes each; warp w decodes units 8w..8w + 7 of every token)."""
+        """What the warpgroup kernel's ring copies per tile: ring_fields, but 4-bit value codes as 16-bit units (4
+        codes each; warp w decodes units 8w..8w + 7 of every token), split 3-bit ones as each group's 16-bit low word
+        and its high byte (unit j of each: group j)."""
         value = self.ring_field("value")
-        if self.multi_warpgroup_split_values:  # group j's 16-bit low word and its high byte: unit j of each
+        if self.multi_warpgroup_split_values:
             high = self.ring_field("value_high")
             replaced = {"value": dataclasses.replace(value, dtype="gl.int16", unit_bytes=2, units=self.D // 8),
                         "value_high": dataclasses.replace(high, dtype="gl.uint8", unit_bytes=1, units=self.D // 8)}
