@@ -272,6 +272,39 @@ def test_the_pending_fp8_keys_kernel_renders_launches_and_compiles_for_sm90(tmp_
         assert ring + 128 * 32 * 2 + block_kv * 32 * 2 <= report["shared_bytes"], report
 
 
+def test_the_pending_lean_softmax_renders_launches_and_compiles_for_sm90(tmp_path, monkeypatch):
+    """multi_warpgroup_lean_softmax (plan.PENDING_KERNELS until its first GPU run) renders only with the switch;
+    decode_multi then launches the warpgroup kernel under a cap of 168 registers at 64-token tiles (3 programs an
+    SM) and uncapped at 128, and each MSE preset compiles offline within those registers, with the kernel's wgmma,
+    16-byte stores and ring."""
+    config = make_config("k4v4", cache_layout="planes", arch="sm90")
+    monkeypatch.delenv("TQGEN_PENDING_KERNELS", raising=False)
+    assert "_wg_row_groups_fma(" not in render.render(config)
+    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "multi_warpgroup_lean_softmax")
+    source = render.render(config)
+    assert "_wg_row_groups_fma(" in source and max(len(line) for line in source.splitlines()) <= render.MAX_LINE
+    module = tqgen.load(config, tmp_path)  # built with the switch (build_module's cache may hold one without)
+    hopper(module, monkeypatch)
+    warpgroup = KernelRecorder()
+    monkeypatch.setattr(module, "tq_decode_multi_stage1_wg", warpgroup)
+    monkeypatch.setattr(module, "tq_decode_stage2", KernelRecorder())
+    batch, cache, query, kwargs = multi_inputs(module, config, [40], "cpu", 8, dtype=torch.float16)
+    for block_kv, options in [(64, {"maxnreg": 168}), (128, {})]:
+        module.decode_multi(query, cache, batch.block_table, batch.seq_lens, num_splits=2, block_kv=block_kv,
+                            num_warps=4, num_stages=3, **kwargs)
+        launch = warpgroup.launches[-1][2]
+        assert launch["BLOCK_KV"] == block_kv and {"maxnreg": launch.get("maxnreg")} == {"maxnreg": None, **options}
+    cases = [(f"{preset}-d128-planes", 8, 4, 128, False) for preset in PRESETS]
+    cases += [(f"{preset}-d128-planes", q_len, group_size, 64, False) for preset in PRESETS
+              for q_len, group_size in [(8, 4), (3, 6)]]
+    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600,
+                                      environment={"TQGEN_PENDING_KERNELS": "multi_warpgroup_lean_softmax"})
+    assert len(reports) == len(cases)
+    for (_, _, _, block_kv, _), report in zip(cases, reports):
+        assert report["wgmma"] == 16 * block_kv // 64 and report["stores"] == 8, report
+        assert report["registers"] <= (168 if block_kv == 64 else 255), report
+
+
 # --- on the GPU --------------------------------------------------------------------------------------------------
 def on_hopper(warpgroup_modules, monkeypatch, preset):
     """(module, config, a spy on its warpgroup kernel), or the test skipped on a GPU other than Hopper's."""

@@ -60,6 +60,9 @@ MAX_NUM_WARPS = 32
 PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
     "multi_warpgroup_fp8_keys": "decode_multi's warpgroup kernel on fp8 keys too (k8v4 planes; outside the decode "
                                 "hash: no tuned file)",
+    "multi_warpgroup_lean_softmax": "decode_multi's warpgroup kernel: scores taken relative to the running max in "
+                                    "one FFMA, the slack tested on each lane's row maxes, the zero sums as FFMA "
+                                    "chains (outside the decode hash: no tuned file)",
 }
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
@@ -269,6 +272,14 @@ class Plan:
         to fp16 in the single-token kernel's order, the caller's query loaded and scaled in the kernel (no rotation,
         no norm)."""
         return self.mma_stage1 and self.layout.key_fp8 and self.renders("multi_warpgroup_fp8_keys")
+
+    @property
+    def multi_warpgroup_lean_softmax(self) -> bool:
+        """The warpgroup kernel's online softmax (pending `multi_warpgroup_lean_softmax`): each score taken relative
+        to its column's running max as the key MMA ends (with the key norm, one FFMA), the stale-max slack tested on
+        each lane's max of its rows (8 compares a lane, not 32, whose packing into a flag took ~70 more instructions),
+        and each lane's zero sums accumulated by FFMA."""
+        return self.multi_warpgroup and self.renders("multi_warpgroup_lean_softmax")
 
     @property
     def multi_warpgroup_split_values(self) -> bool:
