@@ -15,7 +15,7 @@ from test_decode_multi import (check_decode_multi, check_graph_replays, check_pa
                                ragged_seq_lens)
 import tqgen
 from tqgen import render
-from tqgen.plan import Plan, pending_kernels_from_environment
+from tqgen.plan import Plan
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
 
@@ -24,10 +24,9 @@ WARPGROUP_CASES = [(8, 4), (5, 4), (3, 6), (4, 8), (3, 8), (2, 16)]
 # The warpgroup kernel's launch (decode_multi_launch gives it from 16 (sequence, KV head) pairs up; these small
 # batches pass it); the kernel takes 64-token tiles too
 WARPGROUP_LAUNCH = dict(block_kv=128, num_warps=4, num_stages=3)
-# planes: 4-bit keys (the symmetric lookup) and split 3-bit keys with 4-bit values, and split 3-bit values
+# planes: 4-bit keys (the symmetric lookup) and split 3-bit keys with 4-bit values, and split 3-bit values (fp8
+# keys, whose kernel reads the caller's query, have tests of their own)
 PRESETS = ["k4v4", "k3v4", "k3v3"]
-# fp8 keys (k8v4) while multi_warpgroup_fp8_keys waits for its first GPU run (TQGEN_PENDING_KERNELS names it)
-FP8_KEYS = "multi_warpgroup_fp8_keys" in pending_kernels_from_environment()
 
 
 @pytest.fixture
@@ -50,7 +49,7 @@ def test_only_mse_keys_with_4_bit_or_split_3_bit_values_in_16_token_planes_rende
     cases = [(dict(preset="k4v4", cache_layout="planes"), True), (dict(preset="k4v4", cache_layout="slots"), False),
              (dict(preset="k3v4", cache_layout="planes"), True), (dict(preset="k3v4", cache_layout="slots"), False),
              (dict(preset="k3v3", cache_layout="planes"), True), (dict(preset="k3v3", cache_layout="slots"), False),
-             (dict(preset="k8v4", cache_layout="planes", arch="sm90"), FP8_KEYS),
+             (dict(preset="k8v4", cache_layout="planes", arch="sm90"), True),
              (dict(preset="k4v4", cache_layout="planes", block_size=32), False),
              (dict(preset="k4v4", cache_layout="planes", head_dim=64), False)]
     for fields, expected in cases:
@@ -229,22 +228,18 @@ def test_the_split_values_decode_puts_each_code_where_its_row_expects_it():
                     assert word >> 2 * field == group[4 * r + 2 * h + s] == code
 
 
-def test_the_pending_fp8_keys_kernel_renders_launches_and_compiles_for_sm90(tmp_path, monkeypatch):
-    """multi_warpgroup_fp8_keys (plan.PENDING_KERNELS until its first GPU run): k8v4 planes renders the warpgroup
-    kernel only with it. decode_multi then launches it for 32 columns with the caller's query (its dtype and all four
-    strides, scale * log2(e); no tq_prepare_query, no centroids, not a dependent launch), and it compiles offline as
-    the MSE kernels do: 32 wgmma a 128-token tile, 16-byte stores, at most 168 registers at 64-token tiles and 255
-    at 128, a ring of 128 + 64 + 4 bytes a token."""
+def test_the_fp8_keys_kernel_launches_and_compiles_for_sm90(tmp_path, monkeypatch):
+    """k8v4 planes (Plan.multi_warpgroup_fp8_keys): decode_multi launches the warpgroup kernel for 32 columns with
+    the caller's query (its dtype and all four strides, scale * log2(e); no tq_prepare_query, no centroids, not a
+    dependent launch), and it compiles offline as the MSE kernels do: 32 wgmma a 128-token tile, 16-byte stores, at
+    most 168 registers at 64-token tiles and 255 at 128, a ring of 128 + 64 + 4 bytes a token."""
     config = make_config("k8v4", cache_layout="planes", arch="sm90")
-    monkeypatch.delenv("TQGEN_PENDING_KERNELS", raising=False)
-    assert "def tq_decode_multi_stage1_wg(" not in render.render(config)
-    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "multi_warpgroup_fp8_keys")
     assert Plan.from_config(config).multi_warpgroup
     source = render.render(config)
     assert max(len(line) for line in source.splitlines()) <= render.MAX_LINE
     kernel = source[source.index("def tq_decode_multi_stage1_wg("):]
     assert "centroids_ptr" not in kernel[:kernel.index("):")] and "stride_query_dim," in kernel
-    module = tqgen.load(config, tmp_path)  # built with the switch (build_module's cache may hold one without)
+    module = tqgen.load(config, tmp_path)
     hopper(module, monkeypatch)
     warpgroup, one_warp, stage2 = KernelRecorder(), KernelRecorder(), KernelRecorder()
     monkeypatch.setattr(module, "tq_decode_multi_stage1_wg", warpgroup)
@@ -260,10 +255,9 @@ def test_the_pending_fp8_keys_kernel_renders_launches_and_compiles_for_sm90(tmp_
     assert args[11:15] == query.stride()
     assert args[-1] == pytest.approx(0.5 * 1.4426950408889634)
     assert (launch["Q_LEN"], launch["GROUP_SIZE"], launch["BLOCK_KV"], launch["DEPENDENT_LAUNCH"]) == (8, 4, 128, False)
-    assert launch["num_warps"] == 4 and "launch_pdl" not in launch
+    assert launch["num_warps"] == 4 and launch["launch_pdl"] is False
     cases = [("k8v4-d128-planes", 8, 4, block_kv, False) for block_kv in (64, 128)]
-    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600,
-                                      environment={"TQGEN_PENDING_KERNELS": "multi_warpgroup_fp8_keys"})
+    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600)
     assert len(reports) == len(cases)
     for (_, _, _, block_kv, _), report in zip(cases, reports):
         assert report["wgmma"] == 16 * block_kv // 64 and report["stores"] == 8, report
@@ -272,37 +266,19 @@ def test_the_pending_fp8_keys_kernel_renders_launches_and_compiles_for_sm90(tmp_
         assert ring + 128 * 32 * 2 + block_kv * 32 * 2 <= report["shared_bytes"], report
 
 
-def test_the_pending_lean_softmax_renders_launches_and_compiles_for_sm90(tmp_path, monkeypatch):
-    """multi_warpgroup_lean_softmax (plan.PENDING_KERNELS until its first GPU run) renders only with the switch;
-    decode_multi then launches the warpgroup kernel under a cap of 168 registers at 64-token tiles (3 programs an
-    SM) and uncapped at 128, and each MSE preset compiles offline within those registers, with the kernel's wgmma,
-    16-byte stores and ring."""
-    config = make_config("k4v4", cache_layout="planes", arch="sm90")
-    monkeypatch.delenv("TQGEN_PENDING_KERNELS", raising=False)
-    assert "_wg_row_groups_fma(" not in render.render(config)
-    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "multi_warpgroup_lean_softmax")
-    source = render.render(config)
-    assert "_wg_row_groups_fma(" in source and max(len(line) for line in source.splitlines()) <= render.MAX_LINE
-    module = tqgen.load(config, tmp_path)  # built with the switch (build_module's cache may hold one without)
+def test_decode_multi_caps_the_warpgroup_kernel_at_168_registers_on_64_token_tiles(warpgroup_modules, monkeypatch):
+    """3 programs of 4 warps an SM at 64-token tiles (the compile test checks the kernel fits); 2 at 128, uncapped."""
+    module, config = warpgroup_modules("k4v4")
     hopper(module, monkeypatch)
     warpgroup = KernelRecorder()
     monkeypatch.setattr(module, "tq_decode_multi_stage1_wg", warpgroup)
     monkeypatch.setattr(module, "tq_decode_stage2", KernelRecorder())
     batch, cache, query, kwargs = multi_inputs(module, config, [40], "cpu", 8, dtype=torch.float16)
-    for block_kv, options in [(64, {"maxnreg": 168}), (128, {})]:
+    for block_kv, cap in [(64, 168), (128, None)]:
         module.decode_multi(query, cache, batch.block_table, batch.seq_lens, num_splits=2, block_kv=block_kv,
                             num_warps=4, num_stages=3, **kwargs)
         launch = warpgroup.launches[-1][2]
-        assert launch["BLOCK_KV"] == block_kv and {"maxnreg": launch.get("maxnreg")} == {"maxnreg": None, **options}
-    cases = [(f"{preset}-d128-planes", 8, 4, 128, False) for preset in PRESETS]
-    cases += [(f"{preset}-d128-planes", q_len, group_size, 64, False) for preset in PRESETS
-              for q_len, group_size in [(8, 4), (3, 6)]]
-    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600,
-                                      environment={"TQGEN_PENDING_KERNELS": "multi_warpgroup_lean_softmax"})
-    assert len(reports) == len(cases)
-    for (_, _, _, block_kv, _), report in zip(cases, reports):
-        assert report["wgmma"] == 16 * block_kv // 64 and report["stores"] == 8, report
-        assert report["registers"] <= (168 if block_kv == 64 else 255), report
+        assert launch["BLOCK_KV"] == block_kv and launch.get("maxnreg") == cap
 
 
 # --- on the GPU --------------------------------------------------------------------------------------------------
@@ -359,11 +335,10 @@ def test_the_warpgroup_kernel_replays_in_a_cuda_graph(warpgroup_modules, monkeyp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.skipif(not FP8_KEYS, reason="multi_warpgroup_fp8_keys is pending: TQGEN_PENDING_KERNELS names it")
 @pytest.mark.parametrize("block_kv", [64, 128])
 @pytest.mark.parametrize("q_len,group_size", WARPGROUP_CASES)
-def test_the_pending_fp8_keys_kernel_matches_the_reference_on_the_gpu(warpgroup_modules, monkeypatch, q_len,
-                                                                      group_size, block_kv):
+def test_the_fp8_keys_kernel_matches_the_reference_on_the_gpu(warpgroup_modules, monkeypatch, q_len, group_size,
+                                                              block_kv):
     """k8v4 planes on the warpgroup kernel: ragged sequences as above, fp32, fp16 (strided) and bf16 queries read
     and scaled by the kernel itself; then pages outside the cache masked, and a CUDA-graph replay."""
     module, config, spy = on_hopper(warpgroup_modules, monkeypatch, "k8v4")

@@ -158,7 +158,7 @@ def compile_multi_stage1_wg(module, group_size: int, q_len: int, dependent_launc
     extra = {"rotate_query": True} if rotate_query else {}
     constants = module._multi_wg_constants(group_size, q_len, dependent_launch and not rotate_query, block_kv,
                                            **extra)
-    options = module._multi_wg_options(block_kv) if hasattr(module, "_multi_wg_options") else {}
+    options = module._multi_wg_options(block_kv)
     return _compile_sm90(module.tq_decode_multi_stage1_wg, constants, POINTER_TYPES, ("stride_",), 4, 1,
                          GluonASTSource, **options)
 

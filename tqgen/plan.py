@@ -58,11 +58,6 @@ MAX_NUM_WARPS = 32
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
 PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
-    "multi_warpgroup_fp8_keys": "decode_multi's warpgroup kernel on fp8 keys too (k8v4 planes; outside the decode "
-                                "hash: no tuned file)",
-    "multi_warpgroup_lean_softmax": "decode_multi's warpgroup kernel: scores taken relative to the running max in "
-                                    "one FFMA, the slack tested on each lane's row maxes, the zero sums as FFMA "
-                                    "chains (outside the decode hash: no tuned file)",
 }
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
@@ -257,7 +252,7 @@ class Plan:
     @property
     def multi_warpgroup(self) -> bool:
         """decode_multi's programs of 17-32 MMA columns run on one warpgroup (decode/multi_warpgroup.py.jinja): MSE
-        keys of 4 bits (the symmetric lookup) or split 3 bits (fp8 keys too where multi_warpgroup_fp8_keys renders),
+        keys of 4 bits (the symmetric lookup) or split 3 bits, fp8 keys (multi_warpgroup_fp8_keys),
         4-bit values (16-bit units of 4 codes, a lane's share of out^T's rows) or split 3-bit ones
         (multi_warpgroup_split_values), planes, head_dim 128, 16-token pages (a 64-token tile is a page a warp)."""
         layout = self.layout
@@ -268,18 +263,9 @@ class Plan:
 
     @property
     def multi_warpgroup_fp8_keys(self) -> bool:
-        """The warpgroup kernel takes fp8 keys (pending `multi_warpgroup_fp8_keys`): each lane's e4m3 bytes converted
-        to fp16 in the single-token kernel's order, the caller's query loaded and scaled in the kernel (no rotation,
-        no norm)."""
-        return self.mma_stage1 and self.layout.key_fp8 and self.renders("multi_warpgroup_fp8_keys")
-
-    @property
-    def multi_warpgroup_lean_softmax(self) -> bool:
-        """The warpgroup kernel's online softmax (pending `multi_warpgroup_lean_softmax`): each score taken relative
-        to its column's running max as the key MMA ends (with the key norm, one FFMA), the stale-max slack tested on
-        each lane's max of its rows (8 compares a lane, not 32, whose packing into a flag took ~70 more instructions),
-        and each lane's zero sums accumulated by FFMA."""
-        return self.multi_warpgroup and self.renders("multi_warpgroup_lean_softmax")
+        """The warpgroup kernel takes fp8 keys: each lane's e4m3 bytes converted to fp16 in the single-token kernel's
+        order, the caller's query loaded and scaled in the kernel (no rotation, no norm)."""
+        return self.mma_stage1 and self.layout.key_fp8
 
     @property
     def multi_warpgroup_split_values(self) -> bool:
