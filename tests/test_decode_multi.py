@@ -520,6 +520,35 @@ def test_the_gluon_multi_token_kernel_compiles_for_sm90():
         assert report["vector_stores"] == 8 * column_blocks, (stem, q_len, group_size)
 
 
+@pytest.mark.parametrize("stem", ["k3v4-d128-planes", "k8v4-d128-planes", "k3v4-d128"])
+def test_the_pending_lean_softmax_renders_in_decode_multis_kernel_only(monkeypatch, stem):
+    """multi_mma_lean_softmax (plan.PENDING_KERNELS until its first GPU run): with the switch, the one-warp kernel
+    of decode_multi (and no kernel of decode: the decode hash stays) takes the scores relative to the running max
+    and the FFMA zero sums; it compiles offline as the shipped cases do."""
+    planes = stem.endswith("planes")
+    config = make_config(stem.split("-")[0], **(dict(cache_layout="planes", arch="sm90") if planes else {}))
+    monkeypatch.delenv("TQGEN_PENDING_KERNELS", raising=False)
+    shipped = render.render(config)
+    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "multi_mma_lean_softmax")
+    source = render.render(config)
+    assert "_mma_row_groups_fma(" not in shipped and max(len(line) for line in source.splitlines()) <= render.MAX_LINE
+    kernels = {name: source[source.index(f"def {name}("):] for name in ("tq_decode_multi_stage1_mma",
+                                                                       "tq_decode_stage1_mma")}
+    for name, kernel in kernels.items():
+        body = kernel.split("@gluon.jit")[0]  # up to the next definition
+        assert ("_mma_row_groups_fma(" in body) == (name == "tq_decode_multi_stage1_mma"), name
+    with_the_switch = render.decode_kernel_hash(config)
+    monkeypatch.delenv("TQGEN_PENDING_KERNELS")
+    assert render.decode_kernel_hash(config) == with_the_switch
+    cases = [case for case in COMPILE_CASES if case[0] == stem]
+    reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600,
+                                      environment={"TQGEN_PENDING_KERNELS": "multi_mma_lean_softmax"})
+    assert len(reports) == len(cases)
+    for (_, q_len, group_size, block_kv, _, *rotate), report in zip(cases, reports):
+        column_blocks = max(8, 1 << (min(q_len, 16 // group_size) * group_size - 1).bit_length()) // 8
+        assert report["vector_stores"] == 8 * column_blocks, (stem, q_len, group_size)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("q_len,group_size", [(2, 4), (4, 4), (3, 4), (2, 8), (8, 1), (5, 3), (8, 4), (3, 8)])
