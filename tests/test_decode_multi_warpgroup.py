@@ -21,6 +21,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in lo
 
 # (q_len, group size): 17-32 columns, padded to 32 where they are not a power of two
 WARPGROUP_CASES = [(8, 4), (5, 4), (3, 6), (4, 8), (3, 8), (2, 16)]
+# fp8 keys take it from 8 columns (decode/multi.py.jinja, _WG_MIN_COLUMNS): 8, 12 and 16 columns too
+FP8_KEYS_CASES = WARPGROUP_CASES + [(2, 4), (3, 4), (4, 4), (8, 1)]
 # The warpgroup kernel's launch (decode_multi_launch gives it from 16 (sequence, KV head) pairs up; these small
 # batches pass it); the kernel takes 64-token tiles too
 WARPGROUP_LAUNCH = dict(block_kv=128, num_warps=4, num_stages=3)
@@ -58,28 +60,46 @@ def test_only_mse_keys_with_4_bit_or_split_3_bit_values_in_16_token_planes_rende
         assert ("def tq_decode_multi_stage1_wg(" in render.render(config)) == expected, config.name
 
 
-@pytest.mark.parametrize("q_len,group_size", WARPGROUP_CASES + [(4, 4), (8, 2), (2, 8), (5, 8), (3, 16)])
+@pytest.mark.parametrize("q_len,group_size", WARPGROUP_CASES + [(4, 4), (8, 2), (2, 8), (5, 8), (3, 16), (1, 32)])
 def test_decode_multi_launch_takes_the_warpgroup_for_17_to_32_columns(warpgroup_modules, monkeypatch, q_len,
                                                                       group_size):
     """17-32 columns from 16 (sequence, KV head) pairs up take (128-token tiles, 4 warps, a ring of 3) and about 2
     programs an SM, at most decode's splits; 4-bit keys with the default centroids only (a caller's codebook need
-    not be symmetric); at most 16 columns, more than 32, or fewer pairs, the one-warp kernels' launch."""
+    not be symmetric); at most 16 columns, more than 32, fewer pairs, or q_len 1 (decode's own kernels and launch),
+    the one-warp kernels' launch."""
     module, _ = warpgroup_modules("k4v4")
     hopper(module, monkeypatch)
+    check_warpgroup_launches(module, q_len, group_size, 17)
+
+
+@pytest.mark.parametrize("q_len,group_size", FP8_KEYS_CASES + [(2, 2), (4, 1), (1, 8), (5, 8)])
+def test_decode_multi_launch_takes_the_fp8_keys_warpgroup_from_8_columns(build_module, monkeypatch, q_len,
+                                                                          group_size):
+    """k8v4 planes: 8-32 columns (q_len 2-4 at 4 query heads per KV head too, which one one-warp program would
+    hold) from 16 pairs up take the warpgroup launch; fewer than 8 columns, more than 32, or q_len 1 do not."""
+    module = build_module(make_config("k8v4", cache_layout="planes", arch="sm90"))
+    hopper(module, monkeypatch)
+    check_warpgroup_launches(module, q_len, group_size, 8)
+
+
+def check_warpgroup_launches(module, q_len, group_size, fewest_columns):
+    """decode_multi_launch over small to large shapes: the warpgroup launch where q_len > 1, fewest_columns-32
+    columns and 16 pairs up, else decode's (the caller's codebook: the one-warp launch always)."""
     cpu = torch.device("cpu")
     columns = q_len * group_size
+    takes_it = q_len > 1 and fewest_columns <= columns <= 32
     for batch, context in [(1, 4096), (1, 8192), (2, 8192), (8, 8192), (32, 8192), (128, 16384)]:
         launch = module.decode_multi_launch(batch, 8, group_size, q_len, context, cpu)
         caller_codebook = module.decode_multi_launch(batch, 8, group_size, q_len, context, cpu,
                                                      symmetric_codebook=False)
         assert caller_codebook[1] == 1
-        if not 16 < columns <= 32 or batch * 8 < 16:
+        if not takes_it or batch * 8 < 16:
             assert launch == caller_codebook
             continue
         decode_splits = module.decode_launch(batch, 8, group_size, context, cpu)[3]
         assert launch[:3] == (128, 4, 3)
         assert launch[3] == max(1, min(decode_splits, 2 * 132 // (batch * 8)))
-    if 16 < columns <= 32:  # the timed shapes' best split counts
+    if takes_it:  # the timed shapes' best split counts
         for batch, splits in [(32, 1), (16, 2), (8, 4), (4, 8), (2, 16)]:
             assert module.decode_multi_launch(batch, 8, group_size, q_len, 8192, cpu)[3] == splits
 
@@ -232,7 +252,8 @@ def test_the_fp8_keys_kernel_launches_and_compiles_for_sm90(tmp_path, monkeypatc
     """k8v4 planes (Plan.multi_warpgroup_fp8_keys): decode_multi launches the warpgroup kernel for 32 columns with
     the caller's query (its dtype and all four strides, scale * log2(e); no tq_prepare_query, no centroids, not a
     dependent launch), and it compiles offline as the MSE kernels do: 32 wgmma a 128-token tile, 16-byte stores, at
-    most 168 registers at 64-token tiles and 255 at 128, a ring of 128 + 64 + 4 bytes a token."""
+    most 168 registers at 64-token tiles and 255 at 128, a ring of 128 + 64 + 4 bytes a token; at 8 and 16 columns
+    (q_len 2 and 4: 16 columns, the kernel's fewest) too, with a 16-byte store per 4 columns."""
     config = make_config("k8v4", cache_layout="planes", arch="sm90")
     assert Plan.from_config(config).multi_warpgroup
     source = render.render(config)
@@ -256,14 +277,16 @@ def test_the_fp8_keys_kernel_launches_and_compiles_for_sm90(tmp_path, monkeypatc
     assert args[-1] == pytest.approx(0.5 * 1.4426950408889634)
     assert (launch["Q_LEN"], launch["GROUP_SIZE"], launch["BLOCK_KV"], launch["DEPENDENT_LAUNCH"]) == (8, 4, 128, False)
     assert launch["num_warps"] == 4 and launch["launch_pdl"] is False
-    cases = [("k8v4-d128-planes", 8, 4, block_kv, False) for block_kv in (64, 128)]
+    cases = [("k8v4-d128-planes", q_len, 4, block_kv, False) for q_len, block_kv in ((8, 64), (8, 128), (2, 128),
+                                                                                     (4, 128))]
     reports = offline_compile_reports("-c", _COMPILE_SCRIPT, json.dumps(cases), timeout=600)
     assert len(reports) == len(cases)
-    for (_, _, _, block_kv, _), report in zip(cases, reports):
-        assert report["wgmma"] == 16 * block_kv // 64 and report["stores"] == 8, report
+    for (_, q_len, group_size, block_kv, _), report in zip(cases, reports):
+        columns = max(16, 1 << (q_len * group_size - 1).bit_length())  # the MMA's N (_multi_wg_constants)
+        assert report["wgmma"] == 16 * block_kv // 64 and report["stores"] == columns // 4, report
         assert report["registers"] <= (168 if block_kv == 64 else 255), report
         ring = 3 * block_kv * (128 + 64 + 4)
-        assert ring + 128 * 32 * 2 + block_kv * 32 * 2 <= report["shared_bytes"], report
+        assert ring + 128 * columns * 2 + block_kv * columns * 2 <= report["shared_bytes"], report
 
 
 def test_decode_multi_caps_the_warpgroup_kernel_at_168_registers_on_64_token_tiles(warpgroup_modules, monkeypatch):
@@ -336,7 +359,7 @@ def test_the_warpgroup_kernel_replays_in_a_cuda_graph(warpgroup_modules, monkeyp
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("block_kv", [64, 128])
-@pytest.mark.parametrize("q_len,group_size", WARPGROUP_CASES)
+@pytest.mark.parametrize("q_len,group_size", FP8_KEYS_CASES)
 def test_the_fp8_keys_kernel_matches_the_reference_on_the_gpu(warpgroup_modules, monkeypatch, q_len, group_size,
                                                               block_kv):
     """k8v4 planes on the warpgroup kernel: ragged sequences as above, fp32, fp16 (strided) and bf16 queries read

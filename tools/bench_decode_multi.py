@@ -57,6 +57,9 @@ def main():
                         help="time the kernel of more than 8 columns under each of these register caps")
     parser.add_argument("--wg-columns", type=int, default=None, metavar="N",
                         help="the warpgroup kernel takes programs of N-32 MMA columns (shipped: 17)")
+    parser.add_argument("--wg-auto", action="store_true",
+                        help="with --wg-columns: the auto launch takes the warpgroup kernel where it can (not the "
+                             "one-warp kernel's, the reference otherwise)")
     args = parser.parse_args()
     if args.wg_columns is not None and 1 in args.q_lens:
         parser.error("--wg-columns: q_len 1 runs decode's own kernels whatever the launch; the warpgroup kernel "
@@ -70,7 +73,8 @@ def main():
         name = Path(module_file).stem if module_file else config.name
         if args.wg_columns is not None:
             widen_warpgroup_columns(module, args.wg_columns)
-            module._WG_MIN_PROGRAMS = 1 << 30  # the auto launch stays the one-warp kernel's: the reference
+            if not args.wg_auto:
+                module._WG_MIN_PROGRAMS = 1 << 30  # the auto launch stays the one-warp kernel's: the reference
         # decode_multi's compile options (older renders: decode's, which it used then)
         options_name = "_multi_mma_options" if hasattr(module, "_multi_mma_options") else "_mma_stage1_options"
         shipped_options = getattr(module, options_name)

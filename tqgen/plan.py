@@ -57,11 +57,7 @@ MAX_NUM_WARPS = 32
 # "Kernels waiting for a re-tune"), so that they are kept and tested meanwhile. Every module renders without them
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
-PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
-    "multi_mma_lean_softmax": "decode_multi's one-warp kernel: scores taken relative to the running max in one "
-                              "FFMA, the slack tested on each lane's row maxes, the zero sums as FFMA chains "
-                              "(outside the decode hash: no tuned file)",
-}
+PENDING_KERNELS: dict[str, str] = {}  # name -> what it changes (docs/tuning.md)
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
 # files spell them) render it without TQGEN_PENDING_KERNELS. Landing its last format removes its entries here and
@@ -269,15 +265,6 @@ class Plan:
         """The warpgroup kernel takes fp8 keys: each lane's e4m3 bytes converted to fp16 in the single-token kernel's
         order, the caller's query loaded and scaled in the kernel (no rotation, no norm)."""
         return self.mma_stage1 and self.layout.key_fp8
-
-    @property
-    def multi_mma_lean_softmax(self) -> bool:
-        """decode_multi's one-warp Gluon kernel (tq_decode_multi_stage1_mma) with the warpgroup kernel's softmax
-        (pending `multi_mma_lean_softmax`): each score taken relative to its column's running max as the key MMA
-        ends (the key norm in the same FFMA), the stale-max slack tested on each lane's max of its rows (the
-        columns' maxes across the lanes, shuffles, only where one passes), the zero sums as FFMA chains. decode's own
-        kernels keep theirs (they key the tuned launches)."""
-        return self.mma_stage1 and self.renders("multi_mma_lean_softmax")
 
     @property
     def multi_warpgroup_split_values(self) -> bool:
