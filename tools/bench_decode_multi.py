@@ -73,8 +73,10 @@ def main():
         name = Path(module_file).stem if module_file else config.name
         if args.wg_columns is not None:
             widen_warpgroup_columns(module, args.wg_columns)
-            if not args.wg_auto:
-                module._WG_MIN_PROGRAMS = 1 << 30  # the auto launch stays the one-warp kernel's: the reference
+            if not args.wg_auto:  # the auto launch stays the one-warp kernel's: the reference
+                if hasattr(module, "_multi_wg_fewest_programs"):
+                    module._multi_wg_fewest_programs = lambda columns: 1 << 30
+                module._WG_MIN_PROGRAMS = 1 << 30  # older renders read the constant itself
         # decode_multi's compile options (older renders: decode's, which it used then)
         options_name = "_multi_mma_options" if hasattr(module, "_multi_mma_options") else "_mma_stage1_options"
         shipped_options = getattr(module, options_name)
