@@ -79,7 +79,7 @@ def test_the_shape_bucket_chooses_where_merge_in_stage1_is_not_passed(build_modu
     query, cache, block_table, seq_lens, kwargs = _inputs(module, config, "cpu", [40, 7])
     stage2 = KernelRecorder(module.tq_decode_stage2)
     monkeypatch.setattr(module, "tq_decode_stage2", stage2)
-    monkeypatch.setattr(module, "merged_in_stage1", lambda batch, group_size, context, device: True)
+    monkeypatch.setattr(module, "merged_in_stage1", lambda batch, group_size, context, device, *_: True)
     workspace = module.DecodeWorkspace(2, query.shape[1], 4, "cpu")
     module.decode(query, cache, block_table, seq_lens, workspace=workspace, num_splits=4, **kwargs)
     assert len(stage2.launches) == 0

@@ -129,7 +129,7 @@ def test_q_len_one_with_a_workspace_merges_in_stage1_where_decode_does(device, b
     bit, where stage 2 merging them differs in the last bits."""
     config = make_config(preset, cache_layout=layout)
     module = build_module(config)
-    monkeypatch.setattr(module, "merged_in_stage1", lambda batch, group_size, context, device: True)
+    monkeypatch.setattr(module, "merged_in_stage1", lambda batch, group_size, context, device, *_: True)
     batch, cache, query, kwargs = multi_inputs(module, config, [1, 20, 70], device, 1)
     workspace = module.DecodeWorkspace(3, 8, 8, device)
     single = module.decode(query[:, 0], cache, batch.block_table, batch.seq_lens, workspace=workspace, num_splits=4,

@@ -215,7 +215,7 @@ def test_the_tuner_on_the_gpu_and_the_baked_module_uses_its_winner(tmp_path):
     module = emit.load(config, tmp_path / "plain", tmp_path / "no-tuned")
     # 4 launches, each once per query rotation and split merge decode has a choice of at batch 8 (up to 16
     # compiles: the slowest GPU test at 8 launches, near 3 minutes).
-    space = tuner.SearchSpace(block_kv=(32, 64), num_warps=(1,), num_stages=(1,), num_splits=(8, 32))
+    space = tuner.SearchSpace(block_kv=(32, 64), num_warps=(1,), num_stages=(1,), num_splits=(8, 32), heuristic=False)
     fingerprint = tuned_files.device_fingerprint()
     path = tuner.tune(config, module, [(4, 8, 2048)], space, root=tmp_path, fingerprint=fingerprint,
                      progress=lambda line: None)

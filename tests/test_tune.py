@@ -4,6 +4,7 @@ The tuner runs the real kernels under the interpreter with a wall-clock
 timer; on the GPU `tqgen tune` uses CUDA-graph timings instead.
 """
 
+import dataclasses
 import errno
 import json
 import multiprocessing
@@ -20,7 +21,7 @@ import triton
 from conftest import INTERPRET, KernelRecorder, check_decode, make_config
 import fit_split_rule  # tools/ (pyproject.toml: pythonpath)
 from tqgen import config as config_mod, emit, render, tuned_files, tuner
-from tqgen.buckets import bucket_bounds, bucket_key, default_buckets
+from tqgen.buckets import bucket_batch, bucket_bounds, bucket_key, default_buckets
 from tqgen.errors import TqgenError
 from tqgen.plan import Plan
 
@@ -32,7 +33,7 @@ FINGERPRINT = {"device_name": "Test GPU", "compute_capability": "9.0", "sm_count
 # Stage 2 alone merges the splits: these tests' tunes take half as long on the interpreter, and
 # test_a_small_batch_bucket_times_both_merges_and_bakes_the_choice times the other way.
 SPACE = tuner.SearchSpace(block_kv=(32, 64), num_warps=(1,), num_stages=(1,), num_splits=(1, 2),
-                          merge_in_stage1=(False,))
+                          merge_in_stage1=(False,), heuristic=False)
 BUCKETS = [(2, 2, 200), (2, 1, 100)]  # -> g2_b2_t256 and g2_b1_t256
 
 
@@ -311,13 +312,91 @@ def test_build_bakes_tuned_launches_and_decode_uses_them(setup, tmp_path, monkey
     assert baked["buckets"]["g2_b2_t256"] == tuple(entry["best"][f] for f in tuned_files.LAUNCH_FIELDS)
     assert "Test GPU: 2 buckets" in module.__doc__
 
+    assert baked["kv_heads"] == 1  # run_tune's --kv-heads, which the module counts a call's pairs over
+
     monkeypatch.setattr(module.torch.cuda, "get_device_name", lambda device=None: "Test GPU")
-    assert module._tuned_buckets("cuda") == baked["buckets"]
+    assert module._tuned_buckets("cuda") == (1, baked["buckets"])
     monkeypatch.setitem(baked, "triton_version", "0.0.0")
     with pytest.warns(UserWarning, match="tuned with triton 0.0.0"):
-        assert module._tuned_buckets("cuda") == {}
+        assert module._tuned_buckets("cuda") == (None, {})
     monkeypatch.setattr(module.torch.cuda, "get_device_name", lambda device=None: "Another GPU")
-    assert module._tuned_buckets("cuda") == {}
+    assert module._tuned_buckets("cuda") == (None, {})
+
+
+def test_each_bucket_also_times_the_heuristics_launch(setup, tmp_path):
+    """Beside the space's launches the tuner times the one an untuned bucket of the shape runs
+    (decode_launch_defaults), once, so a tuned bucket is never slower than none by the tuner's own clock; the
+    bucket's workspace holds that launch's splits where the space's are fewer."""
+    config, module = setup
+    space = tuner.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(1,),
+                              merge_in_stage1=(False,))
+    heuristic = dict(zip(tuned_files.LAUNCH_FIELDS, module.decode_launch_defaults(1, 1, 2, 256, "cpu")))
+    assert heuristic["num_splits"] > 1  # more than the space's
+    path = tuner.tune(config, module, [(2, 1, 100)], space, root=tmp_path, fingerprint=FINGERPRINT, timer=cpu_timer,
+                      num_kv_heads=1, device="cpu", progress=lambda line: None)
+    entry = json.loads(path.read_text())["buckets"]["g2_b1_t256"]
+    assert set(entry["timings_us"]) == {"kv32_w1_st1_sp1", tuned_files.candidate_id(heuristic)}
+    assert not entry["rejected"]
+    shape = (2, 1, 256)
+    within = dataclasses.replace(space, num_splits=(1, heuristic["num_splits"]))
+    launches_of, _ = tuner._bucket_launches(module, within, {"g2_b1_t256": shape}, {}, None, 1, "cpu")
+    assert len(launches_of[shape]) == 2  # already in the space: timed once
+    launches_of, _ = tuner._bucket_launches(module, dataclasses.replace(space, heuristic=False),
+                                            {"g2_b1_t256": shape}, {}, None, 1, "cpu")
+    assert launches_of[shape] == space.candidates()
+
+
+def test_bucket_batch_counts_sequence_kv_head_pairs_over_the_timed_kv_heads():
+    assert bucket_batch(32, 32, 8) == 128  # MHA's 32 KV heads: the grid of 128 sequences of 8
+    assert bucket_batch(32, 1, 8) == 4  # one KV head a GPU (tensor parallel): the grid of 4 sequences of 8
+    assert bucket_batch(5, 4, 8) == 3  # rounded up
+    assert bucket_batch(3, 8, 8) == 3  # the timed KV heads: the call's own batch
+    assert bucket_batch(1, 1, 8) == bucket_batch(0, 8, 8) == 1  # below one timed sequence: the smallest batch
+
+
+def test_a_tuned_launch_is_read_from_the_bucket_of_as_many_kv_head_pairs(tmp_path, monkeypatch):
+    """Launches timed over 8 KV heads serve a call of other KV heads from the bucket whose timed problem had as
+    many (sequence, KV head) pairs, so the same grid: 32 sequences of 32 KV heads read the 128-sequence bucket,
+    32 of 2 the 8-sequence one, for the launch, the query's rotation and the split merge alike; called without
+    num_kv_heads, merged_in_stage1 and query_rotated_in_stage1 count sequences of 8 KV heads."""
+    module = emit.load(make_config("k3v4", cache_layout="planes"), tmp_path)
+    tuned = {"triton_version": triton.__version__, "source": "", "kv_heads": 8, "buckets": {
+        "g4_b8_t8192": (32, 1, 1, 16, True, True), "g4_b32_t8192": (64, 1, 2, 8, None),
+        "g4_b128_t8192": (32, 1, 2, 4, None)}}
+    monkeypatch.setattr(module, "TUNED_LAUNCHES", {"Test GPU": tuned})
+    monkeypatch.setattr(module, "_per_device", {})  # nothing cached from other tests
+    monkeypatch.setattr(module.torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    gpu = torch.device("cuda", 0)
+    assert module.decode_launch(32, 8, 4, 8192, gpu) == (64, 1, 2, 8)
+    assert module.decode_launch(32, 32, 4, 8192, gpu) == (32, 1, 2, 4)
+    assert module.decode_launch(32, 2, 4, 8192, gpu) == (32, 1, 1, 16)
+    assert module._tuned_launch(gpu, 4, 8, 8192, 2) is None  # 16 pairs: the 2-sequence bucket, not tuned
+    assert module.merged_in_stage1(32, 4, 8192, gpu, 2) is True and module.merged_in_stage1(32, 4, 8192, gpu) is False
+    assert module.query_rotated_in_stage1(32, 4, 8192, gpu, num_kv_heads=2) is True
+    # A table without the count (an engine's own) reads the call's batch as it is.
+    del tuned["kv_heads"]
+    module._per_device.clear()  # the cached table
+    assert module.decode_launch(32, 32, 4, 8192, gpu) == (64, 1, 2, 8)
+
+
+def test_a_tuned_file_holds_buckets_timed_over_one_kv_head_count(setup, tmp_path):
+    """A module counts a call's pairs over one KV head count a file: a file whose buckets mix counts is unusable,
+    a tune of another --kv-heads into it is refused before any timing, and so is a bucket saved into it."""
+    config, module = setup
+    path, _ = run_tune(setup, tmp_path, buckets=[(2, 1, 100)])  # timed over 1 KV head
+    with pytest.raises(TqgenError, match=r"holds buckets timed over 1 KV heads; --kv-heads 8 would mix"):
+        tuner.tune(config, module, [(2, 2, 100)], SPACE, root=tmp_path, fingerprint=FINGERPRINT, timer=cpu_timer,
+                   num_kv_heads=8, device="cpu", progress=lambda line: None)
+    document = json.loads(path.read_text())
+    entry = json.loads(json.dumps(document["buckets"]["g2_b1_t256"]))
+    entry["shape"]["num_kv_heads"] = 8
+    with pytest.raises(TqgenError, match="timed over 8 KV heads to .*, whose buckets were timed over 1"):
+        tuned_files.save_bucket(path, document["metadata"], "g2_b2_t256", entry)
+    assert sorted(json.loads(path.read_text())["buckets"]) == ["g2_b1_t256"]  # nothing lost
+    document["buckets"]["g2_b2_t256"] = entry
+    path.write_text(json.dumps(document))
+    with pytest.raises(tuned_files.Unusable, match=r"timed over different KV head counts \(\[1, 8\]\)"):
+        tuned_files.read(path, document["metadata"])
 
 
 def test_a_rotating_config_times_both_ways_up_to_the_batch_rule_and_bakes_the_choice(tmp_path, monkeypatch):
@@ -330,7 +409,7 @@ def test_a_rotating_config_times_both_ways_up_to_the_batch_rule_and_bakes_the_ch
     limit = module._ROTATE_QUERY_MAX_BATCH
     assert tuner.rotations(module, limit) == (True, False) and tuner.rotations(module, limit + 1) == (None,)
     space = tuner.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(1, 2),
-                              merge_in_stage1=(False,))
+                              merge_in_stage1=(False,), heuristic=False)
     path = tuner.tune(config, module, [(4, 1, 100)], space, root=tmp_path, fingerprint=FINGERPRINT, timer=cpu_timer,
                       num_kv_heads=1, device="cpu", progress=lambda line: None)
     document = json.loads(path.read_text())
@@ -579,7 +658,7 @@ def test_a_small_batch_bucket_times_both_merges_and_bakes_the_choice(setup, tmp_
     limit = module._MERGE_IN_STAGE1_MAX_BATCH
     assert tuner.merges(module, limit) == (False, True) and tuner.merges(module, limit + 1) == (None,)
     assert tuner.merges(module, 1, (False,)) == (None,)  # stage 2 alone: no field, decode's own choice
-    space = tuner.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(1, 2))
+    space = tuner.SearchSpace(block_kv=(32,), num_warps=(1,), num_stages=(1,), num_splits=(1, 2), heuristic=False)
     path = tuner.tune(config, module, [(2, 1, 100), (2, limit + 1, 100)], space, root=tmp_path,
                       fingerprint=FINGERPRINT, timer=cpu_timer, num_kv_heads=1, device="cpu",
                       progress=lambda line: None)
@@ -951,13 +1030,14 @@ def test_stale_tuned_lists_the_rest_past_a_damaged_tuned_file_and_fails_in_one_l
     document = json.loads(path.read_text())
     document["metadata"]["kernel_hash"] = "0" * 64
     path.write_text(json.dumps(document))
+    groups = " ".join(str(group) for group in sorted({entry["group_size"] for entry in document["buckets"].values()}))
 
     def stale(*configs):
         return subprocess.run([sys.executable, "tools/stale_tuned.py", "--tuned-dir", str(tmp_path), "--device", h100,
                                *configs], cwd=REPO, capture_output=True, text=True, timeout=300)
 
     result = stale(*damaged, "configs/k3v4-d128-planes.yaml")
-    assert result.returncode == 1 and result.stdout.splitlines() == ["configs/k3v4-d128-planes.yaml 4"]
+    assert result.returncode == 1 and result.stdout.splitlines() == [f"configs/k3v4-d128-planes.yaml {groups}"]
     errors = result.stderr.splitlines()
     assert len(errors) == 3 and "Traceback" not in result.stderr, result.stderr
     for error, config_path in zip(errors, damaged):
@@ -1003,13 +1083,14 @@ def test_stale_tuned_finds_the_files_of_a_gpu_of_another_arch(tmp_path):
     document = json.loads(committed.read_text())
     document["metadata"]["device_name"] = device  # and a kernel_hash of sm90's kernels: stale for sm80
     path.write_text(json.dumps(document))
+    groups = " ".join(str(group) for group in sorted({entry["group_size"] for entry in document["buckets"].values()}))
 
     def stale(*arguments):
         return subprocess.run([sys.executable, "tools/stale_tuned.py", "--tuned-dir", str(tmp_path), *arguments,
                                "configs/k3v4-d128-planes.yaml"], cwd=REPO, capture_output=True, text=True, timeout=300)
 
     result = stale("--device", device, "--capability", "8.0")
-    assert result.returncode == 0 and result.stdout.splitlines() == ["configs/k3v4-d128-planes.yaml 4"]
+    assert result.returncode == 0 and result.stdout.splitlines() == [f"configs/k3v4-d128-planes.yaml {groups}"]
     result = stale("--device", device)
     assert result.returncode != 0 and len(result.stderr.splitlines()) == 1 and "--capability" in result.stderr
     result = stale("--device", device, "--capability", "eight")

@@ -129,13 +129,17 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
     stage2_merge = {MERGE_FIELD: False} if hasattr(module, "merged_in_stage1") else {}
     seed_ms = graph_ms(**SEED_LAUNCH, **stage2_merge)
     if hasattr(module, "query_rotated_in_stage1"):  # where stage 1 rotates the query: the tuned choice, or the rule
-        used[ROTATE_FIELD] = module.query_rotated_in_stage1(batch, group_size, context, cache.device)
+        used[ROTATE_FIELD] = module.query_rotated_in_stage1(batch, group_size, context, cache.device,
+                                                            num_kv_heads=num_kv_heads)
         heuristic[ROTATE_FIELD] = module.query_rotated_in_stage1(batch, group_size, context, cache.device, tuned=False)
     if stage2_merge:
-        used[MERGE_FIELD] = module.merged_in_stage1(batch, group_size, context, cache.device)
+        used[MERGE_FIELD] = module.merged_in_stage1(batch, group_size, context, cache.device, num_kv_heads)
         heuristic.update(stage2_merge)
-    baked = module.TUNED_LAUNCHES.get(torch.cuda.get_device_name(cache.device), {}).get("buckets", {})
-    tuned = baked.get(module.bucket_key(group_size, batch, context))
+    baked = module.TUNED_LAUNCHES.get(torch.cuda.get_device_name(cache.device), {})
+    # The bucket decode_launch reads: the batch counted in (sequence, KV head) pairs over the timed KV heads.
+    timed_kv_heads = baked.get("kv_heads")
+    bucket_batch = module.bucket_batch(batch, num_kv_heads, timed_kv_heads) if timed_kv_heads else batch
+    tuned = baked.get("buckets", {}).get(module.bucket_key(group_size, bucket_batch, context))
     source = "tuned" if tuned is not None and tuple(tuned)[:4] == tuple(used[f] for f in LAUNCH_FIELDS) else "heuristic"
     heuristic_ms = graph_ms(**heuristic)
 

@@ -5,8 +5,13 @@ context rounded up to a power of two), named like `g4_b32_t8192`. The context
 of a call is the longest sequence the block table can hold (known on the
 host without reading seq_lens), or the caller's `max_seq_len` hint when given.
 
-`bucket_key` is copied verbatim into every emitted module by render.py, so
-the tuner and the modules bucket shapes identically.
+A call's batch is counted in (sequence, KV head) pairs over the KV heads the
+launches were timed at (`bucket_batch`): a launch's grid is one program per pair
+and split, so 32 sequences of 32 KV heads run the grid that 128 sequences of 8
+were timed on.
+
+`bucket_key` and `bucket_batch` are copied verbatim into every emitted module by
+render.py, so the tuner and the modules bucket shapes identically.
 """
 
 from __future__ import annotations
@@ -15,12 +20,14 @@ import itertools
 import re
 
 # Copied into every emitted module by render.py (one source of truth).
-EMBEDDED = ("bucket_key",)
+EMBEDDED = ("bucket_key", "bucket_batch")
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 32, 64, 128)
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 65536)
 # Query heads per KV head: MHA (1), Llama-3-8B and its kin (4), Llama-3-70B, Qwen3 and GPT-OSS (8), 128 / 8 (16).
 DEFAULT_GROUP_SIZES = (1, 4, 8, 16)
+# The KV heads every bucket is timed over (`tqgen tune --kv-heads`; a tuned file's buckets share one count).
+DEFAULT_KV_HEADS = 8
 # What bucket_key writes (a tuned file's bucket keys are checked against it).
 BUCKET_KEY_PATTERN = re.compile(r"g\d+_b\d+_t\d+")
 
@@ -30,6 +37,13 @@ def bucket_key(group_size, batch, context):
     batch_bucket = 1 << max(0, int(batch) - 1).bit_length()
     context_bucket = max(256, 1 << max(0, int(context) - 1).bit_length())
     return f"g{int(group_size)}_b{batch_bucket}_t{context_bucket}"
+
+
+def bucket_batch(batch, num_kv_heads, tuned_kv_heads):
+    """The batch whose bucket holds the tuned launch of a call of `batch` sequences and `num_kv_heads` KV heads,
+    for launches timed over `tuned_kv_heads`: the call's (sequence, KV head) pairs in sequences of that many, rounded
+    up, at least 1 (fewer pairs than one timed sequence holds take the smallest batch's launch)."""
+    return max(1, -(-int(batch) * int(num_kv_heads) // int(tuned_kv_heads)))
 
 
 def bucket_bounds(key: str) -> dict:

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .buckets import DEFAULT_BATCHES, DEFAULT_CONTEXTS, DEFAULT_GROUP_SIZES
+from .buckets import DEFAULT_BATCHES, DEFAULT_CONTEXTS, DEFAULT_GROUP_SIZES, DEFAULT_KV_HEADS
 from .errors import TqgenError
 from .files import make_folder, write_failure_reason
 
@@ -163,7 +163,8 @@ def _show_tuned(config, root: Path, current, indent: str = "") -> None:
     for device, entry in sorted(baked.items()):
         here = " (this GPU)" if device == current_name else ""
         print(f"{indent}tuned       {device}{here}: {len(entry['buckets'])} buckets, {entry['source']}, "
-              f"triton {entry['triton_version']}")
+              f"triton {entry['triton_version']}, {entry['kv_heads']} KV heads (calls bucket their (sequence, KV "
+              f"head) pairs)")
         print(f"{indent}  {'bucket':22s}{'block_kv':>9s}{'warps':>6s}{'stages':>7s}{'splits':>7s}")
         for key, launch in entry["buckets"].items():
             print(f"{indent}  {key:22s}" + "".join(f"{value:{width}d}" for value, width in zip(launch, (9, 6, 7, 7))))
@@ -467,8 +468,10 @@ def make_parser() -> argparse.ArgumentParser:
                       help="with --shortlist: buckets the file's own earlier tunes lack take their shortlist from this "
                            "tuned file of another GPU, or from the config's file in this folder (e.g. "
                            "docs/tuning-tables/NVIDIA_H200); the entry names that GPU")
-    tune.add_argument("--kv-heads", type=int, default=8,
-                      help="KV heads of the timed problems, query heads = G x this (default: %(default)s)")
+    tune.add_argument("--kv-heads", type=int, default=DEFAULT_KV_HEADS,
+                      help="KV heads of the timed problems, query heads = G x this; a module takes a bucket's launch "
+                           "for calls of as many (sequence, KV head) pairs, whatever their KV heads (default: "
+                           "%(default)s)")
     tune.add_argument("--force", action="store_true",
                       help="re-tune buckets already in the file; a file tuned for another setup (kernel, triton, "
                            "device) or damaged is kept as NAME.json.replaced-TIME and tuned afresh")

@@ -92,6 +92,8 @@ def _tuned_literal(tuned: dict) -> str:
         lines.append(f"    {device!r}: {{")
         lines.append(f"        'triton_version': {entry['triton_version']!r},")
         lines.append(f"        'source': {entry['source']!r},")
+        if "kv_heads" in entry:
+            lines.append(f"        'kv_heads': {entry['kv_heads']!r},")
         lines.append("        'buckets': {")
         for key in sorted(entry["buckets"], key=buckets.bucket_sort_key):
             lines.append(f"            {key!r}: {tuple(entry['buckets'][key])!r},")

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import __version__
-from .buckets import BUCKET_KEY_PATTERN, bucket_sort_key
+from .buckets import BUCKET_KEY_PATTERN, DEFAULT_KV_HEADS, bucket_sort_key
 from .config import Config
 from .errors import TqgenError
 from .files import make_folder, write_atomic, write_failure_reason
@@ -182,7 +182,17 @@ def _read_document(path: Path, expected: dict[str, Any], fields: tuple[str, ...]
                 and isinstance(best.get(ROTATE_FIELD, False), bool) and isinstance(best.get(MERGE_FIELD, False), bool)
                 and decode_runs_launch(best["block_kv"], best["num_warps"])):  # else every call of it would fail
             raise Unusable(f"{path}: bucket {key!r} has no valid 'best' launch")
+    counts = sorted({timed_kv_heads(entry) for entry in document["buckets"].values()})
+    if len(counts) > 1:  # a module counts a call's batch in (sequence, KV head) pairs over one count
+        raise Unusable(f"{path}: its buckets were timed over different KV head counts ({counts})")
     return document
+
+
+def timed_kv_heads(entry: dict) -> int:
+    """The KV heads a bucket's launches were timed over (`tqgen tune --kv-heads`, in its `shape`)."""
+    shape = entry.get("shape")
+    count = shape.get("num_kv_heads", DEFAULT_KV_HEADS) if isinstance(shape, dict) else DEFAULT_KV_HEADS
+    return count if type(count) is int and count > 0 else DEFAULT_KV_HEADS
 
 
 def _try_flock(handle) -> bool:
@@ -321,6 +331,10 @@ def save_bucket(path: Path, metadata: dict[str, Any], key: str, entry: dict[str,
             buckets = read(path, metadata)
         except Unusable as exc:
             raise TqgenError(f"not overwriting {exc}; move it away to re-tune") from None
+        counts = {timed_kv_heads(earlier) for earlier in buckets.values()}
+        if counts and timed_kv_heads(entry) not in counts:
+            raise TqgenError(f"not adding bucket {key} timed over {timed_kv_heads(entry)} KV heads to {path}, whose "
+                             f"buckets were timed over {counts.pop()}; move it away to re-tune")
         buckets = {**buckets, key: entry}
         ordered = dict(sorted(buckets.items(), key=lambda item: bucket_sort_key(item[0])))
         document = {"metadata": metadata, "buckets": ordered}
@@ -372,6 +386,8 @@ def baked_launches(root: Path, config: Config, warn) -> dict[str, dict]:
         baked[device] = {
             "triton_version": metadata["triton_version"],
             "source": f"{device_dir.name}/{path.name} ({str(metadata.get('date', ''))[:10]})",
+            # A module buckets a call's batch in (sequence, KV head) pairs over this many (buckets.bucket_batch).
+            "kv_heads": timed_kv_heads(next(iter(buckets.values()))),
             "buckets": {key: baked_launch(entry["best"]) for key, entry in buckets.items()},
         }
     return baked

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from . import reference, tuned_files
-from .buckets import bucket_bounds, bucket_key
+from .buckets import DEFAULT_KV_HEADS, bucket_bounds, bucket_key
 from .config import Config
 from .errors import TqgenError
 from .layout import Layout
@@ -66,6 +66,8 @@ class SearchSpace:
     # Where the query is rotated, up to a module's _ROTATE_QUERY_MAX_BATCH sequences (rotations()): True in stage 1,
     # False by tq_prepare_query first. (True,) times stage 1's rotation alone.
     rotate_query: tuple[bool, ...] = (True, False)
+    # Also time, in each bucket, the launch the module's heuristic gives its shape (heuristic_candidates).
+    heuristic: bool = True
 
     def candidates(self, rotations: tuple = (None,), merges: tuple = (None,)) -> list[dict]:
         """Every launch of the space, each once per entry of rotations (True, False: with decode's
@@ -102,6 +104,19 @@ def bucket_candidates(module: ModuleType, space: SearchSpace, batch: int) -> lis
     """The candidates the tuner times for a bucket of `batch` sequences: the space's launches, each with every
     query rotation (rotations) and split merge (merges) that decode has a choice of at that batch."""
     return space.candidates(rotations(module, batch, space.rotate_query), merges(module, batch, space.merge_in_stage1))
+
+
+def heuristic_candidates(module: ModuleType, space: SearchSpace, group_size: int, batch: int, context: int,
+                         num_kv_heads: int, device) -> list[dict]:
+    """The launch an untuned bucket of this shape would run (the module's decode_launch_defaults on this device),
+    with each query rotation and split merge decode has a choice of there, as bucket_candidates gives the space's:
+    timed beside them, so a tuned bucket is never slower by the tuner's own clock than no tuning (the heuristic
+    derives split counts the space may lack, such as 6 for one wave of 12 programs an SM)."""
+    block_kv, num_warps, num_stages, num_splits = module.decode_launch_defaults(batch, num_kv_heads, group_size,
+                                                                                context, device)
+    own = dataclasses.replace(space, block_kv=(block_kv,), num_warps=(num_warps,), num_stages=(num_stages,),
+                              num_splits=(num_splits,))
+    return bucket_candidates(module, own, batch)
 
 
 def shortlist(launches: list[dict], earlier: dict | None, size: int) -> list[dict]:
@@ -185,7 +200,7 @@ def _candidate_calls(module: ModuleType, setup: dict, launch: dict) -> tuple[Cal
 
 def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int, context: int,
                 space: SearchSpace, *, timer: Callable, screen_timer: Callable | None = None,
-                num_kv_heads: int = 8, device="cuda", launches: list[dict] | None = None) -> dict:
+                num_kv_heads: int = DEFAULT_KV_HEADS, device="cuda", launches: list[dict] | None = None) -> dict:
     """Time every candidate of one bucket (`launches`, default the space's: bucket_candidates); returns the
     bucket's entry for the tuned file.
 
@@ -195,15 +210,15 @@ def tune_bucket(module: ModuleType, config: Config, group_size: int, batch: int,
     and the best is the fastest finalist.
     """
     started = time.monotonic()
-    setup = _bucket_problem(module, config, group_size, batch, context, num_kv_heads, max(space.num_splits),
+    if launches is None:
+        launches = bucket_candidates(module, space, batch)
+    setup = _bucket_problem(module, config, group_size, batch, context, num_kv_heads, _most_splits(space, launches),
                             device)
     check = setup["check"]
     expected = reference.decode(Layout.from_config(config), check["query"], check["cache"], check["block_table"],
                                 check["seq_lens"], setup["codebook"].get("rotation"), setup["codebook"].get("centroids"))
     limit = DECODE_TOLERANCE[torch.float16]
     timings, rejected, calls = {}, {}, {}
-    if launches is None:
-        launches = bucket_candidates(module, space, batch)
     named = {tuned_files.candidate_id(launch): launch for launch in launches}
     for name, launch in named.items():
         try:
@@ -278,10 +293,12 @@ def _compile_class(module_file: str, config: Config, group_size: int, batch: int
     `launches`: the candidates (default the space's, bucket_candidates). Returns how many failed (the tuner
     records why when it meets them)."""
     module = _loaded_module(module_file)
-    setup = _bucket_problem(module, config, group_size, batch, context, num_kv_heads, max(space.num_splits),
+    if launches is None:
+        launches = bucket_candidates(module, space, batch)
+    setup = _bucket_problem(module, config, group_size, batch, context, num_kv_heads, _most_splits(space, launches),
                             device)
     failed = 0
-    for launch in bucket_candidates(module, space, batch) if launches is None else launches:
+    for launch in launches:
         try:
             for run in _candidate_calls(module, setup, launch):
                 run()
@@ -292,6 +309,12 @@ def _compile_class(module_file: str, config: Config, group_size: int, batch: int
     return failed
 
 
+def _most_splits(space: SearchSpace, launches: list[dict]) -> int:
+    """The splits a bucket's workspace holds: the most of the space's and of the launches timed (the heuristic's
+    may exceed the space's)."""
+    return max([*space.num_splits, *(launch["num_splits"] for launch in launches)])
+
+
 def _loaded_module(module_file: str) -> ModuleType:
     """The emitted module at module_file, imported in this process."""
     from . import emit
@@ -300,7 +323,7 @@ def _loaded_module(module_file: str) -> ModuleType:
 
 
 def precompile(module: ModuleType, config: Config, shapes, space: SearchSpace, *, workers: int,
-               num_kv_heads: int = 8, device="cuda", progress: Callable[[str], None] = print,
+               num_kv_heads: int = DEFAULT_KV_HEADS, device="cuda", progress: Callable[[str], None] = print,
                launches_of: dict[tuple[int, int, int], list[dict]] | None = None) -> None:
     """Compile the kernels of every candidate of the buckets `shapes` in `workers` processes side by side,
     before they are timed in series: compiling took about half of a tune on the H200 (one process compiles
@@ -337,13 +360,16 @@ def precompile(module: ModuleType, config: Config, shapes, space: SearchSpace, *
 
 
 def _bucket_launches(module: ModuleType, space: SearchSpace, todo: dict, earlier: dict,
-                     shortlist_size: int | None) -> tuple[dict, dict]:
-    """(launches_of, shortlisted) for the buckets `todo` (key -> shape): each shape's candidates, its shortlist where
-    an earlier tune timed the bucket (`earlier`: key -> (entry, what the record says of its source)), and per
-    shortlisted key the record its entry keeps."""
+                     shortlist_size: int | None, num_kv_heads: int, device) -> tuple[dict, dict]:
+    """(launches_of, shortlisted) for the buckets `todo` (key -> shape): each shape's candidates (the space's and the
+    heuristic's), its shortlist where an earlier tune timed the bucket (`earlier`: key -> (entry, what the record
+    says of its source)), and per shortlisted key the record its entry keeps."""
     launches_of, shortlisted = {}, {}
     for key, shape in todo.items():
         launches = bucket_candidates(module, space, shape[1])
+        if space.heuristic:
+            launches = list({tuned_files.candidate_id(launch): launch for launch in
+                             launches + heuristic_candidates(module, space, *shape, num_kv_heads, device)}.values())
         if key in earlier:
             entry, source = earlier[key]
             chosen = shortlist(launches, entry, shortlist_size)
@@ -356,7 +382,7 @@ def _bucket_launches(module: ModuleType, space: SearchSpace, todo: dict, earlier
 
 def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]], space: SearchSpace, *,
          root: Path, fingerprint: dict, timer: Callable = cuda_graph_timer, screen_timer: Callable | None = None,
-         num_kv_heads: int = 8, device="cuda", force: bool = False, compile_workers: int = 1,
+         num_kv_heads: int = DEFAULT_KV_HEADS, device="cuda", force: bool = False, compile_workers: int = 1,
          shortlist_size: int | None = None, shortlist_from: Path | None = None,
          progress: Callable[[str], None] = print) -> Path:
     """Tune the buckets not yet in the file (all with force=True); returns the tuned file's path.
@@ -398,6 +424,11 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
         kept, done = tuned_files.set_aside_unusable(path, metadata)
         if kept is not None:
             progress(f"{exc}: kept as {kept.name}, re-tuning every bucket")
+    timed = {tuned_files.timed_kv_heads(entry) for entry in done.values()}
+    if timed and num_kv_heads not in timed:  # save_bucket would refuse the first bucket after its timing
+        raise TqgenError(f"{path} holds buckets timed over {timed.pop()} KV heads; --kv-heads {num_kv_heads} would mix "
+                         f"the two (a module counts a call's batch in KV head pairs over one count): tune into "
+                         f"another --tuned-dir, or move the file away")
     # Tune at the top of each bucket, once per bucket.
     shapes: dict[str, tuple[int, int, int]] = {}
     for group_size, batch, context in buckets:
@@ -406,7 +437,7 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
         shapes.setdefault(key, (group_size, bounds["batch"][1], bounds["context"][1]))
     total = len(shapes)
     todo = {key: shape for key, shape in shapes.items() if force or key not in done}
-    launches_of, shortlisted = _bucket_launches(module, space, todo, earlier, shortlist_size)
+    launches_of, shortlisted = _bucket_launches(module, space, todo, earlier, shortlist_size, num_kv_heads, device)
     if todo and compile_workers > 1:
         precompile(module, config, list(todo.values()), space, workers=compile_workers, num_kv_heads=num_kv_heads,
                    device=device, progress=progress, launches_of=launches_of)
