@@ -57,7 +57,11 @@ MAX_NUM_WARPS = 32
 # "Kernels waiting for a re-tune"), so that they are kept and tested meanwhile. Every module renders without them
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
-PENDING_KERNELS: dict[str, str] = {}  # name -> what it changes (docs/tuning.md)
+PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
+    "one_stage_vector_partials": "slots with fp8 keys (k8v4-d128): the Gluon stage 1's launches of 1 stage store "
+                                 "their partials 16 bytes a lane, as every other format's do; the ring keeps the "
+                                 "scalar stores (compiled offline only, 2026-12-07)",
+}
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
 # files spell them) render it without TQGEN_PENDING_KERNELS. Landing its last format removes its entries here and
@@ -366,6 +370,17 @@ class Plan:
         1.04-1.14x slower (H100, 2026-12-06, docs/limits.md "Small batches"); at 1 x 4096 it took 22-30% off the
         others' calls."""
         return not (self.layout.key_fp8 and not self.layout.planes)
+
+    @property
+    def stage1_vector_partials_at_one_stage(self) -> bool:
+        """Where the single-token Gluon stage 1 keeps scalar partial stores (stage1_vector_partials false), whether its
+        launches of 1 stage store them 16 bytes a lane anyway (STAGES a constexpr: one kernel, a branch that
+        compiles away): the pending kernel `one_stage_vector_partials`. Those launches lost nothing to the 16-byte
+        stores at 1 x 4096, 8 x 8192 and 32 x 16384 (0.97-1.01x of the time, 32- and 64-token tiles at 8 splits), 32-token
+        tiles in the ring of 2 lost 4-14% at batch >= 8, and the whole call at 1 x 4096 and 64 splits took 7.4 us instead of 10.2
+        (H100, 2026-12-05/06, docs/limits.md "Small batches"). k8v4 slots' H100 launches of batch 1-8 are all of 1
+        stage."""
+        return not self.stage1_vector_partials and self.renders("one_stage_vector_partials")
 
     @property
     def stage1_rotates_query(self) -> bool:
