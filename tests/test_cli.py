@@ -22,6 +22,8 @@ SM90_YAML = GOOD_YAML + "arch: sm90\n"
 # A committed tuned file of K3V4 for sm90 (the first by GPU folder: tuned/README.md) and the GPU it names.
 SHIPPED = sorted((REPO / "tuned").glob("*/tq_kmse3_v4_d128_p16_nc_hadamard_sm90.json"))[0]
 SHIPPED_DEVICE = json.loads(SHIPPED.read_text())["metadata"]["device_name"]
+
+
 def shipped_tuned_file(config_path: str) -> Path:
     """Where SHIPPED_DEVICE's committed tuned file of a config (for sm90) is, if there is one."""
     config = config_mod.resolve_arch(config_mod.load(REPO / config_path), (9, 0))

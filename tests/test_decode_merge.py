@@ -79,10 +79,14 @@ def test_the_shape_bucket_chooses_where_merge_in_stage1_is_not_passed(build_modu
     query, cache, block_table, seq_lens, kwargs = _inputs(module, config, "cpu", [40, 7])
     stage2 = KernelRecorder(module.tq_decode_stage2)
     monkeypatch.setattr(module, "tq_decode_stage2", stage2)
-    monkeypatch.setattr(module, "merged_in_stage1", lambda batch, group_size, context, device, *_: True)
+    asked = []  # the shape each choice was asked for: the bucket counts the call's own KV heads
+    monkeypatch.setattr(module, "merged_in_stage1",
+                        lambda batch, group_size, context, device, num_kv_heads=None: asked.append(
+                            (batch, group_size, num_kv_heads)) or True)
     workspace = module.DecodeWorkspace(2, query.shape[1], 4, "cpu")
     module.decode(query, cache, block_table, seq_lens, workspace=workspace, num_splits=4, **kwargs)
     assert len(stage2.launches) == 0
+    assert asked == [(2, 4, 2)]  # 2 sequences, 4 query heads over each of _inputs' 2 KV heads
     module.decode(query, cache, block_table, seq_lens, num_splits=4, **kwargs)  # no workspace
     assert len(stage2.launches) == 1
 

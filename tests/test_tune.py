@@ -361,7 +361,7 @@ def test_a_tuned_launch_is_read_from_the_bucket_of_as_many_kv_head_pairs(tmp_pat
     num_kv_heads, merged_in_stage1 and query_rotated_in_stage1 count sequences of 8 KV heads."""
     module = emit.load(make_config("k3v4", cache_layout="planes"), tmp_path)
     tuned = {"triton_version": triton.__version__, "source": "", "kv_heads": 8, "buckets": {
-        "g4_b8_t8192": (32, 1, 1, 16, True, True), "g4_b32_t8192": (64, 1, 2, 8, None),
+        "g4_b8_t8192": (32, 1, 1, 16, False, True), "g4_b32_t8192": (64, 1, 2, 8, None),
         "g4_b128_t8192": (32, 1, 2, 4, None)}}
     monkeypatch.setattr(module, "TUNED_LAUNCHES", {"Test GPU": tuned})
     monkeypatch.setattr(module, "_per_device", {})  # nothing cached from other tests
@@ -372,7 +372,7 @@ def test_a_tuned_launch_is_read_from_the_bucket_of_as_many_kv_head_pairs(tmp_pat
     assert module.decode_launch(32, 2, 4, 8192, gpu) == (32, 1, 1, 16)
     assert module._tuned_launch(gpu, 4, 8, 8192, 2) is None  # 16 pairs: the 2-sequence bucket, not tuned
     assert module.merged_in_stage1(32, 4, 8192, gpu, 2) is True and module.merged_in_stage1(32, 4, 8192, gpu) is False
-    assert module.query_rotated_in_stage1(32, 4, 8192, gpu, num_kv_heads=2) is True
+    assert module.query_rotated_in_stage1(32, 4, 8192, gpu, num_kv_heads=2) is False  # the 8-sequence bucket's
     # A table without the count (an engine's own) reads the call's batch as it is.
     del tuned["kv_heads"]
     module._per_device.clear()  # the cached table

@@ -356,7 +356,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                   flush=True)
         try:
             module = emit.load(config, args.cache_dir, tuned_dir=root)
-            print(f"{config.name}: {len(buckets)} buckets x {len(space.candidates())} launches ("
+            heuristic = " and the heuristic's" if space.heuristic else ""
+            print(f"{config.name}: {len(buckets)} buckets x {len(space.candidates())} launches{heuristic} ("
                   f"{len(tuner.bucket_candidates(module, space, 1))} candidates at batch 1, where the query's rotation "
                   f"and the split merge are timed each way asked) on {fingerprint['device_name']}", flush=True)
             path = tuner.tune(config, module, buckets, space, root=root, fingerprint=fingerprint,

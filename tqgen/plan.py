@@ -373,13 +373,13 @@ class Plan:
 
     @property
     def stage1_vector_partials_at_one_stage(self) -> bool:
-        """Where the single-token Gluon stage 1 keeps scalar partial stores (stage1_vector_partials false), whether its
-        launches of 1 stage store them 16 bytes a lane anyway (STAGES a constexpr: one kernel, a branch that
+        """Where the single-token Gluon stage 1 keeps scalar partial stores (stage1_vector_partials false), whether
+        its launches of 1 stage store them 16 bytes a lane anyway (STAGES a constexpr: one kernel, a branch that
         compiles away): the pending kernel `one_stage_vector_partials`. Those launches lost nothing to the 16-byte
-        stores at 1 x 4096, 8 x 8192 and 32 x 16384 (0.97-1.01x of the time, 32- and 64-token tiles at 8 splits), 32-token
-        tiles in the ring of 2 lost 4-14% at batch >= 8, and the whole call at 1 x 4096 and 64 splits took 7.4 us instead of 10.2
-        (H100, 2026-12-05/06, docs/limits.md "Small batches"). k8v4 slots' H100 launches of batch 1-8 are all of 1
-        stage."""
+        stores at 1 x 4096, 8 x 8192 and 32 x 16384 (0.97-1.01x of the time, 32- and 64-token tiles at 8 splits),
+        32-token tiles in the ring of 2 lost 4-14% at batch >= 8, and the whole call at 1 x 4096 and 64 splits took
+        7.4 us instead of 10.2 (H100, 2026-12-05/06, docs/limits.md "Small batches"). k8v4 slots' H100 launches of
+        1 stage: 7 of its 16 buckets of batch 1-8 (1 x 1K-16K, 2 x 4K, 4 x 1K-4K, 8 x 1K)."""
         return not self.stage1_vector_partials and self.renders("one_stage_vector_partials")
 
     @property

@@ -151,8 +151,9 @@ def _tidy(source: str) -> str:
 def render(config: Config, tuned: dict | None = None, stage1_variant: str = "shipped") -> str:
     """The complete source of the module for one config.
 
-    `tuned` maps a device name to {"triton_version", "source", "buckets":
-    {bucket key: (block_kv, num_warps, num_stages, num_splits)}} (see tuned_files.baked_launches).
+    `tuned` maps a device name to {"triton_version", "source", "kv_heads" (the KV heads its buckets were timed
+    over), "buckets": {bucket key: (block_kv, num_warps, num_stages, num_splits, ...)}} (see
+    tuned_files.baked_launches).
     `stage1_variant` renders an experiment of the Gluon stage 1 instead of the shipped kernel (plan.py).
     """
     source = _environment().get_template(MODULE_TEMPLATE).render(**context(config, tuned, stage1_variant))

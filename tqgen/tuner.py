@@ -438,6 +438,7 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
     total = len(shapes)
     todo = {key: shape for key, shape in shapes.items() if force or key not in done}
     launches_of, shortlisted = _bucket_launches(module, space, todo, earlier, shortlist_size, num_kv_heads, device)
+    every_launch, _ = _bucket_launches(module, space, todo, {}, None, num_kv_heads, device)  # shortlists' fallback
     if todo and compile_workers > 1:
         precompile(module, config, list(todo.values()), space, workers=compile_workers, num_kv_heads=num_kv_heads,
                    device=device, progress=progress, launches_of=launches_of)
@@ -458,7 +459,7 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
                 progress(f"[{index}/{total}] {key}: every launch of the shortlist was rejected ({exc}); timing "
                          f"every candidate")
                 del shortlisted[key]
-                entry = bucket()
+                entry = bucket(launches=every_launch[(group_size, batch, context)])
         except TqgenError as exc:  # one bad bucket must not cost the others: report it, go on
             failed.append(key)
             progress(f"[{index}/{total}] {key}: FAILED, {exc}")
