@@ -55,10 +55,10 @@ def setup(tmp_path_factory):
     return config, module
 
 
-def run_tune(setup, root, buckets=BUCKETS, timer=cpu_timer, progress=None, **kwargs):
+def run_tune(setup, root, buckets=BUCKETS, timer=cpu_timer, progress=None, space=SPACE, **kwargs):
     config, module = setup
     lines = []
-    path = tuner.tune(config, module, buckets, SPACE, root=root, fingerprint=FINGERPRINT,
+    path = tuner.tune(config, module, buckets, space, root=root, fingerprint=FINGERPRINT,
                      timer=timer, num_kv_heads=1, device="cpu",
                      progress=progress or lines.append, **kwargs)
     return path, lines
@@ -558,6 +558,17 @@ def test_a_shortlist_the_new_kernels_reject_whole_falls_back_to_every_candidate(
     assert "every launch of the shortlist was rejected" in lines[1] and "best" in lines[2], lines
     assert set(entry["timings_us"]) == set(ids[1:]) and list(entry["rejected"]) == [ids[0]]
     assert "shortlist" not in entry
+    # With the heuristic's launch among the candidates (and slow in the earlier tune), the fallback times it too.
+    heuristic = tuned_files.candidate_id(dict(zip(tuned_files.LAUNCH_FIELDS,
+                                                  module.decode_launch_defaults(2, 1, 2, 256, "cpu"))))
+    assert heuristic not in ids
+    _staled(path, lambda buckets: buckets["g2_b2_t256"].update(timings_us={name: 1.0 if name == ids[0] else 50.0
+                                                                             for name in [*ids, heuristic]}))
+    _, lines = run_tune(setup, tmp_path, buckets=BUCKETS[:1], force=True, shortlist_size=1,
+                        space=dataclasses.replace(SPACE, heuristic=True))
+    assert "every launch of the shortlist was rejected" in lines[1], lines
+    entry = json.loads(path.read_text())["buckets"]["g2_b2_t256"]
+    assert set(entry["timings_us"]) == set(ids[1:]) | {heuristic} and "shortlist" not in entry
 
 
 def test_a_shortlisted_retune_resumes_from_the_file_it_set_aside(setup, tmp_path):
