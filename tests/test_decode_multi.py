@@ -129,7 +129,9 @@ def test_q_len_one_with_a_workspace_merges_in_stage1_where_decode_does(device, b
     bit, where stage 2 merging them differs in the last bits."""
     config = make_config(preset, cache_layout=layout)
     module = build_module(config)
-    monkeypatch.setattr(module, "merged_in_stage1", lambda batch, group_size, context, device, *_: True)
+    asked = []  # each call asks for the bucket of its own (sequence, KV head) pairs
+    monkeypatch.setattr(module, "merged_in_stage1", lambda batch, group_size, context, device, num_kv_heads=None:
+                        asked.append((batch, group_size, num_kv_heads)) or True)
     batch, cache, query, kwargs = multi_inputs(module, config, [1, 20, 70], device, 1)
     workspace = module.DecodeWorkspace(3, 8, 8, device)
     single = module.decode(query[:, 0], cache, batch.block_table, batch.seq_lens, workspace=workspace, num_splits=4,
@@ -138,6 +140,7 @@ def test_q_len_one_with_a_workspace_merges_in_stage1_where_decode_does(device, b
                                 **kwargs)
     assert torch.equal(multi[:, 0], single)
     assert not workspace.split_counters.any()  # left zeros, as decode leaves them
+    assert asked == [(3, 4, 2)] * 2  # decode's call and decode_multi's: 3 sequences, 4 query heads over 2 KV heads
 
 
 @pytest.mark.parametrize("preset", ["k3v4", "k8v4"])
