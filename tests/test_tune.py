@@ -339,10 +339,10 @@ def test_each_bucket_also_times_the_heuristics_launch(setup, tmp_path):
     assert not entry["rejected"]
     shape = (2, 1, 256)
     within = dataclasses.replace(space, num_splits=(1, heuristic["num_splits"]))
-    launches_of, _ = tuner._bucket_launches(module, within, {"g2_b1_t256": shape}, {}, None, 1, "cpu")
+    launches_of = tuner._bucket_launches(module, within, {"g2_b1_t256": shape}, 1, "cpu")
     assert len(launches_of[shape]) == 2  # already in the space: timed once
-    launches_of, _ = tuner._bucket_launches(module, dataclasses.replace(space, heuristic=False),
-                                            {"g2_b1_t256": shape}, {}, None, 1, "cpu")
+    launches_of = tuner._bucket_launches(module, dataclasses.replace(space, heuristic=False), {"g2_b1_t256": shape},
+                                         1, "cpu")
     assert launches_of[shape] == space.candidates()
 
 

@@ -33,6 +33,7 @@ from types import ModuleType
 
 import torch
 
+from .buckets import bucket_batch, bucket_key
 from .config import Config
 from .files import write_atomic
 from .testing import codebook_kwargs, random_problem
@@ -137,9 +138,8 @@ def bench_decode(module: ModuleType, config: Config, batch: int, context: int, *
         heuristic.update(stage2_merge)
     baked = module.TUNED_LAUNCHES.get(torch.cuda.get_device_name(cache.device), {})
     # The bucket decode_launch reads: the batch counted in (sequence, KV head) pairs over the timed KV heads.
-    timed_kv_heads = baked.get("kv_heads")
-    bucket_batch = module.bucket_batch(batch, num_kv_heads, timed_kv_heads) if timed_kv_heads else batch
-    tuned = baked.get("buckets", {}).get(module.bucket_key(group_size, bucket_batch, context))
+    key = bucket_key(group_size, bucket_batch(batch, num_kv_heads, baked.get("kv_heads")), context)
+    tuned = baked.get("buckets", {}).get(key)
     source = "tuned" if tuned is not None and tuple(tuned)[:4] == tuple(used[f] for f in LAUNCH_FIELDS) else "heuristic"
     heuristic_ms = graph_ms(**heuristic)
 

@@ -42,7 +42,10 @@ def bucket_key(group_size, batch, context):
 def bucket_batch(batch, num_kv_heads, tuned_kv_heads):
     """The batch whose bucket holds the tuned launch of a call of `batch` sequences and `num_kv_heads` KV heads,
     for launches timed over `tuned_kv_heads`: the call's (sequence, KV head) pairs in sequences of that many, rounded
-    up, at least 1 (fewer pairs than one timed sequence holds take the smallest batch's launch)."""
+    up, at least 1 (fewer pairs than one timed sequence holds take the smallest batch's launch). Either count None
+    (a caller that does not say, a table that does not): the batch as it is."""
+    if num_kv_heads is None or not tuned_kv_heads:
+        return batch
     return max(1, -(-int(batch) * int(num_kv_heads) // int(tuned_kv_heads)))
 
 

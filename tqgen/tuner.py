@@ -359,25 +359,33 @@ def precompile(module: ModuleType, config: Config, shapes, space: SearchSpace, *
     progress(f"compiled in {time.monotonic() - started:.0f} s{note}")
 
 
-def _bucket_launches(module: ModuleType, space: SearchSpace, todo: dict, earlier: dict,
-                     shortlist_size: int | None, num_kv_heads: int, device) -> tuple[dict, dict]:
-    """(launches_of, shortlisted) for the buckets `todo` (key -> shape): each shape's candidates (the space's and the
-    heuristic's), its shortlist where an earlier tune timed the bucket (`earlier`: key -> (entry, what the record
-    says of its source)), and per shortlisted key the record its entry keeps."""
-    launches_of, shortlisted = {}, {}
-    for key, shape in todo.items():
+def _bucket_launches(module: ModuleType, space: SearchSpace, todo: dict, num_kv_heads: int, device) -> dict:
+    """Each shape of the buckets `todo` (key -> shape) -> its candidates: the space's (bucket_candidates) and, with
+    space.heuristic, the heuristic's (heuristic_candidates), each launch once."""
+    launches_of = {}
+    for shape in todo.values():
         launches = bucket_candidates(module, space, shape[1])
         if space.heuristic:
             launches = list({tuned_files.candidate_id(launch): launch for launch in
                              launches + heuristic_candidates(module, space, *shape, num_kv_heads, device)}.values())
+        launches_of[shape] = launches
+    return launches_of
+
+
+def _shortlisted_launches(launches_of: dict, todo: dict, earlier: dict,
+                          shortlist_size: int | None) -> tuple[dict, dict]:
+    """(what each shape of `todo` times, and per shortlisted key the record its entry keeps): a bucket that an earlier
+    tune timed (`earlier`: key -> (entry, what the record says of its source)) its shortlist of launches_of[shape],
+    the others all of it."""
+    timed_of, shortlisted = dict(launches_of), {}
+    for key, shape in todo.items():
         if key in earlier:
             entry, source = earlier[key]
-            chosen = shortlist(launches, entry, shortlist_size)
-            if len(chosen) < len(launches):
-                shortlisted[key] = {"size": shortlist_size, "of": len(launches), **source}
-            launches = chosen
-        launches_of[shape] = launches
-    return launches_of, shortlisted
+            chosen = shortlist(launches_of[shape], entry, shortlist_size)
+            if len(chosen) < len(launches_of[shape]):
+                shortlisted[key] = {"size": shortlist_size, "of": len(launches_of[shape]), **source}
+            timed_of[shape] = chosen
+    return timed_of, shortlisted
 
 
 def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]], space: SearchSpace, *,
@@ -426,8 +434,8 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
             progress(f"{exc}: kept as {kept.name}, re-tuning every bucket")
     timed = {tuned_files.timed_kv_heads(entry) for entry in done.values()}
     if timed and num_kv_heads not in timed:  # save_bucket would refuse the first bucket after its timing
-        raise TqgenError(f"{path} holds buckets timed over {timed.pop()} KV heads; --kv-heads {num_kv_heads} would mix "
-                         f"the two (a module counts a call's batch in KV head pairs over one count): tune into "
+        raise TqgenError(f"{path} holds buckets timed over {timed.pop()} KV heads; --kv-heads {num_kv_heads} would "
+                         f"mix the two (a module counts a call's batch in KV head pairs over one count): tune into "
                          f"another --tuned-dir, or move the file away")
     # Tune at the top of each bucket, once per bucket.
     shapes: dict[str, tuple[int, int, int]] = {}
@@ -437,8 +445,8 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
         shapes.setdefault(key, (group_size, bounds["batch"][1], bounds["context"][1]))
     total = len(shapes)
     todo = {key: shape for key, shape in shapes.items() if force or key not in done}
-    launches_of, shortlisted = _bucket_launches(module, space, todo, earlier, shortlist_size, num_kv_heads, device)
-    every_launch, _ = _bucket_launches(module, space, todo, {}, None, num_kv_heads, device)  # shortlists' fallback
+    every_launch = _bucket_launches(module, space, todo, num_kv_heads, device)
+    launches_of, shortlisted = _shortlisted_launches(every_launch, todo, earlier, shortlist_size)
     if todo and compile_workers > 1:
         precompile(module, config, list(todo.values()), space, workers=compile_workers, num_kv_heads=num_kv_heads,
                    device=device, progress=progress, launches_of=launches_of)
