@@ -1,6 +1,8 @@
 """The store kernel: byte-exact against the reference (MSE key codes of coordinates on a decision
 boundary excepted: tqgen.testing.store_differences), and nothing written outside its slots."""
 
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +18,7 @@ from tqgen.plan import Plan
 from tqgen.testing import DECODE_TOLERANCE, as_position_major, paged_batch, relative_error, store_differences
 
 SENTINEL = 0xA5
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _store_both(module, config, batch, device, num_kv_heads):
@@ -815,7 +818,7 @@ def test_the_gluon_slots_store_compiles_for_sm90():
     pytest.importorskip("triton.experimental.gluon")
     names = ["k3v4-d128", "k4v4-d128", "k3v3-d128", "k4v4-d64", "k3v4-d256", "k3v4-d128-planes", "k4v4-d128-planes",
              "k3v3-d128-planes"]
-    reports = offline_compile_reports("-c", _STORE_GLUON_COMPILE, *names)
+    reports = offline_compile_reports("-c", _STORE_GLUON_COMPILE, *names, environment={"TQGEN_PENDING_KERNELS": ""})
     assert [(report["name"], report["symmetric"]) for report in reports] == [
         (name, symmetric) for name in names for symmetric in (True, False)]
     for report in reports:
@@ -829,10 +832,94 @@ def test_the_gluon_slots_store_compiles_for_sm90():
         assert "stack" not in report["usage"] or "0 bytes cumulative stack" in report["usage"], report
 
 
+@pytest.mark.parametrize("run_bytes", [2, 4, 6, 8, 12, 16])
+def test_a_run_of_slot_bytes_is_its_words_and_a_half_at_each_unaligned_end(run_bytes):
+    """Plan.halfword_run_stores, for a run starting at a word and 2 bytes into one: every byte stored once, each
+    store aligned to its width, no half where a word fits (so runs of 6 and 8 bytes take 2-3 stores, not 3-4
+    halves); the two starts' i-th stores of a width share an instruction."""
+    stores = Plan.halfword_run_stores(run_bytes)
+    for start in (0, 2):
+        covered = []
+        pieces = [(bits, at_word if start == 0 else mid_word) for bits, at_word, mid_word in stores]
+        for bits, offset in pieces:
+            if offset is None:
+                continue
+            assert (start + offset) % (bits // 8) == 0, (start, bits, offset)
+            covered += range(offset, offset + bits // 8)
+        assert sorted(covered) == list(range(run_bytes)), start
+        halves = sum(1 for bits, offset in pieces if bits == 16 and offset is not None)
+        assert halves == (run_bytes % 4) // 2 + (2 * (start == 2) if run_bytes % 4 == 0 else 0)
+    if run_bytes == 6:  # a lane's 3-bit codes at head_dim 128: a word and a half from either start
+        assert stores == [(32, 0, 2), (16, 4, 0)]
+    if run_bytes == 8:  # its 4-bit codes: two words, or a half, a word and a half
+        assert stores == [(32, 0, 2), (32, 4, None), (16, None, 0), (16, None, 6)]
+    with pytest.raises(ValueError, match="positive even count, got 5"):
+        Plan.halfword_run_stores(5)
+
+
+_STORE_WORDS_COMPILE = """
+import json, os, sys, tempfile
+sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
+import ptx_probe, tqgen
+from tqgen import config as config_mod
+for name in sys.argv[1:]:
+    module = tqgen.load(config_mod.resolve_arch(config_mod.load(f"configs/{name}.yaml"), (9, 0)), tempfile.mkdtemp())
+    ptx = ptx_probe.compile_store_gluon(module, module.STORE_GLUON_TOKENS, True).asm["ptx"]
+    print(json.dumps(dict(name=name, words=ptx.count("st.global.b32"), halves=ptx.count("st.global.b16"),
+                          local=ptx.count(".local"))))
+"""
+
+
+def test_the_pending_slots_store_words_changes_the_slots_gluon_store_only(monkeypatch):
+    """Pending `slots_store_words`: tq_store_gluon in slots (MSE keys) stores each lane's run of a field's codes,
+    and the scale and zero, as the words inside it and halves at its unaligned ends; every other config and kernel
+    renders as without it. Compiled for sm90 (this triton), the kernel's 32- and 16-bit stores are those
+    Plan.halfword_run_stores gives each run, plus the norm's half."""
+    from tqgen import config as config_mod, render
+    names = []
+    for path in sorted(REPO.glob("configs/*.yaml")):
+        config = config_mod.resolve_arch(config_mod.load(path), (9, 0))
+        monkeypatch.setenv("TQGEN_PENDING_KERNELS", "")
+        shipped = render.render(config)
+        monkeypatch.setenv("TQGEN_PENDING_KERNELS", "slots_store_words")
+        pending = render.render(config)
+        plan = Plan.from_config(config)
+        strip = lambda source: re.sub(r"(TEMPLATE_HASH = |Template hash: )\S+", "", source)  # noqa: E731
+        assert (strip(pending) == strip(shipped)) == (not plan.store_gluon_words), path.stem
+        assert plan.store_gluon_words == (plan.store_gluon and not plan.planes), path.stem
+        if plan.store_gluon_words:
+            names.append(path.stem)
+            assert "def _store_gluon_run(" in pending and "cache_phase" not in shipped, path.stem
+    assert names == ["k3v3-d128", "k3v4-d128", "k3v4-d256", "k4v4-d128", "k4v4-d64"]
+    pytest.importorskip("triton.experimental.gluon")
+    reports = offline_compile_reports("-c", _STORE_WORDS_COMPILE, *names,
+                                      environment={"TQGEN_PENDING_KERNELS": "slots_store_words"})
+    assert [report["name"] for report in reports] == names
+    for report in reports:
+        layout = Layout.from_config(config_mod.load(REPO / f"configs/{report['name']}.yaml"))
+        # A lane's head_dim / 8 codes of a field: one run of 4 bytes at head_dim 64, else pairs of 8-code groups.
+        pairs = layout.head_dim // 128
+        runs = [4, 4] if layout.head_dim == 64 else [2 * layout.key_bits] * pairs + [2 * layout.value_bits] * pairs
+        stores = [bits for run in runs + [4] for bits, _, _ in Plan.halfword_run_stores(run)]
+        assert (report["words"], report["halves"]) == (stores.count(32), stores.count(16) + 1), report
+        assert report["local"] == 0, report
+
+
 GLUON_STORE_CASES = ([(preset, 128, order) for preset in ("k3v4", "k4v4", "k3v3")
-                      for order in ("head_major", "position_major", "planes", "planes-uncorrected")]
-                     + [("k4v4", 64, "head_major"), ("k4v4", 64, "position_major"), ("k3v4", 256, "head_major"),
-                        ("k3v4", 256, "position_major")])
+                      for order in ("head_major", "position_major", "head_major_mid_word", "planes",
+                                    "planes-uncorrected")]
+                     + [(preset, head_dim, order) for preset, head_dim in (("k4v4", 64), ("k3v4", 256))
+                        for order in ("head_major", "position_major", "head_major_mid_word")])
+
+
+def _two_bytes_into_a_word(cache):
+    """The same cache (shape, strides, bytes) at an address 2 bytes into a 32-bit word, which slots allow (fields
+    are 2-byte aligned): every run of slot bytes then starts at the other place in its word."""
+    buffer = torch.empty(cache.numel() + 2, dtype=torch.uint8, device=cache.device)
+    moved = buffer.as_strided(cache.shape, cache.stride(), storage_offset=2)
+    moved.copy_(cache)
+    assert moved.data_ptr() % 4 == 2
+    return moved
 
 
 @pytest.mark.parametrize("preset,head_dim,order", GLUON_STORE_CASES)
@@ -844,8 +931,9 @@ def test_the_gluon_store_writes_tq_stores_bytes_and_nothing_else(build_module, m
     lies within rounding of a boundary, the fp16 norm by a unit in the last place: the norm's sum runs in another
     order), the reference's too; with the default codebook (half search), other centroids and given boundaries
     (the general one); skipped slots (negative, or past the cache unvalidated) and other slots untouched; tokens
-    that do not fill the last program. Slots in either order (head_dim 64, 128, 256); planes with the norms
-    corrected by the codes' centroids (the presets) or not."""
+    that do not fill the last program. Slots in either order (head_dim 64, 128, 256), and at an address 2 bytes into
+    a word (where the word stores of `slots_store_words` start elsewhere); planes with the norms corrected by the
+    codes' centroids (the presets) or not."""
     config = (make_config(preset, cache_layout="planes", norm_correction=order == "planes")
               if order.startswith("planes") else make_config(preset, head_dim=head_dim))
     module = build_module(config)
@@ -867,6 +955,8 @@ def test_the_gluon_store_writes_tq_stores_bytes_and_nothing_else(build_module, m
             cache = module.make_cache(batch.num_blocks, 3, "cuda").fill_(SENTINEL)
             if order == "position_major":
                 cache = as_position_major(cache).contiguous()
+            if order == "head_major_mid_word":
+                cache = _two_bytes_into_a_word(cache)
             module.store(batch.key, batch.value, cache, batch.slot_mapping, validate=False, **codebook)
             caches.append(cache)
         expected = caches[1].clone().fill_(SENTINEL)

@@ -61,6 +61,10 @@ PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
     "one_stage_vector_partials": "slots with fp8 keys (k8v4-d128): the Gluon stage 1's launches of 1 stage store "
                                  "their partials 16 bytes a lane, as every other format's do; the ring keeps the "
                                  "scalar stores (compiled offline only, 2026-12-07)",
+    "slots_store_words": "slots with MSE keys (k3v4, k4v4, k3v3 at head_dim 128; k4v4-d64, k3v4-d256): "
+                         "tq_store_gluon writes each lane's run of 2-byte aligned slot bytes as the 32-bit words "
+                         "inside it and 16-bit halves at its ends, and the scale and zero as one word where "
+                         "aligned (compiled offline only, 2026-12-07; the store is outside the decode hash)",
 }
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
@@ -335,6 +339,43 @@ class Plan:
         # Slots: a lane's D / 8 codes of each field a whole number of 16-bit words (so not 3 bits at head_dim 64).
         return (self.halfword_loads and layout.head_dim in (64, 128, 256)
                 and layout.key_bits * layout.head_dim % 128 == 0 and layout.value_bits * layout.head_dim % 128 == 0)
+
+    @property
+    def store_gluon_words(self) -> bool:
+        """Whether tq_store_gluon (slots) writes each lane's run of slot bytes, which starts 2-byte aligned, as the
+        32-bit words inside it and 16-bit halves at its ends (halfword_run_stores), and the scale and zero as one
+        run: the pending kernel `slots_store_words`. The slots store was bound by the L2 (87% busy for k3v4, ncu,
+        H100, 2026-12-06), which takes each store instruction's sectors as requests: a run of 8 bytes in 2-3 stores
+        instead of 4, of 6 in 2 instead of 3."""
+        return self.store_gluon and not self.planes and self.renders("slots_store_words")
+
+    @staticmethod
+    def halfword_run_stores(run_bytes: int) -> list[tuple[int, int | None, int | None]]:
+        """The stores of a run of `run_bytes` bytes (even) at a 2-byte aligned address: the 32-bit words inside it
+        and a 16-bit half at each end that is not word aligned. One (bits, offset where the run starts at a word,
+        offset where it starts 2 bytes into one) a store instruction, an offset None where that start has no such
+        store: the i-th word of each start shares an instruction, the i-th half too."""
+        if run_bytes <= 0 or run_bytes % 2:
+            raise ValueError(f"a run of slot bytes is a positive even count, got {run_bytes}")
+        at_word_words = list(range(0, run_bytes - 3, 4))
+        at_word_halves = [run_bytes - 2] if run_bytes % 4 else []
+        mid_word_words = list(range(2, run_bytes - 3, 4))
+        mid_word_halves = [0] + ([run_bytes - 2] if run_bytes % 4 == 0 else [])
+        stores = []
+        for bits, at_word, mid_word in ((32, at_word_words, mid_word_words), (16, at_word_halves, mid_word_halves)):
+            for i in range(max(len(at_word), len(mid_word))):
+                stores.append((bits, at_word[i] if i < len(at_word) else None,
+                               mid_word[i] if i < len(mid_word) else None))
+        return stores
+
+    @property
+    def store_gluon_run_bytes(self) -> list[int]:
+        """The run lengths tq_store_gluon writes with store_gluon_words: a lane's codes of a field (head_dim / 8
+        codes: 4 bytes at head_dim 64, else pairs of 8-code groups, 2 x bits bytes) and the scale and zero (4)."""
+        layout = self.layout
+        if layout.head_dim == 64:
+            return [4]
+        return sorted({4, 2 * layout.key_bits, 2 * layout.value_bits})
 
     @staticmethod
     def code_square_terms(bits: int) -> list[tuple[list[int], str]]:
