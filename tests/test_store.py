@@ -12,7 +12,7 @@ import triton.language as tl
 
 from conftest import (HAS_CUDA, KERNEL_FORMATS, PRESETS, KernelRecorder, codebook_kwargs, make_config,
                       offline_compile_reports, planes_config, planes_config_of, stored_cache)
-from tqgen import codebook, reference
+from tqgen import codebook, config as config_mod, reference
 from tqgen.layout import Layout
 from tqgen.plan import Plan
 from tqgen.testing import DECODE_TOLERANCE, as_position_major, paged_batch, relative_error, store_differences
@@ -756,7 +756,9 @@ def test_the_gluon_store_renders_for_hadamard_mse_keys(fields, expected):
     fields = dict(fields)
     preset, head_dim = fields.pop("preset"), fields.pop("head_dim", 128)
     config = make_config(preset, head_dim=head_dim, **fields)
-    assert Plan.from_config(config).store_gluon is expected
+    plan = Plan.from_config(config)
+    assert plan.store_gluon is expected
+    assert plan.store_gluon_words == (expected and not plan.planes and plan.layout.value_bits == 4 and head_dim >= 128)
     from tqgen import render
     source = render.render(config)
     assert ("def tq_store_gluon(" in source) is expected and ("STORE_GLUON = " in source) is expected
@@ -806,29 +808,39 @@ for name in sys.argv[1:]:
         ptx = ptx_probe.compile_store_gluon(module, module.STORE_GLUON_TOKENS, symmetric).asm["ptx"]
         print(json.dumps(dict(name=name, symmetric=symmetric, usage=ptx_probe.ptxas_usage(ptx),
                               shuffles=ptx.count("shfl.sync.bfly"), shared=ptx.count(".shared"),
-                              local=ptx.count(".local"), stores=ptx.count("st.global"))))
+                              local=ptx.count(".local"), stores=ptx.count("st.global"),
+                              words=ptx.count("st.global.b32"), halves=ptx.count("st.global.b16"))))
 """
 
 
 def test_the_gluon_slots_store_compiles_for_sm90():
     """tq_store_gluon of the MSE configs that have it, both searches, compiled offline for sm90 (this triton): the
     transform's 3 head_dim / 8 shuffles of a lane (3 stages over lanes) and the reductions', no shared or local
-    memory (no value changes lanes through memory); in slots one store per 16 bits of a lane's codes and per fp16
-    field, in planes per 32-bit word of codes (or group pair's high bytes), norm and scale-and-zero record."""
+    memory (no value changes lanes through memory); in planes one store per 32-bit word of codes (or group pair's
+    high bytes), norm and scale-and-zero record; in slots with 4-bit values at head_dim >= 128
+    (Plan.store_gluon_words) the words and halves Plan.halfword_run_stores gives each lane's runs of codes (pairs
+    of 8-code groups) and the scale and zero, and the norm's half; in the other slots one store per 16 bits of a
+    lane's codes and per fp16 field."""
     pytest.importorskip("triton.experimental.gluon")
     names = ["k3v4-d128", "k4v4-d128", "k3v3-d128", "k4v4-d64", "k3v4-d256", "k3v4-d128-planes", "k4v4-d128-planes",
              "k3v3-d128-planes"]
-    reports = offline_compile_reports("-c", _STORE_GLUON_COMPILE, *names, environment={"TQGEN_PENDING_KERNELS": ""})
+    reports = offline_compile_reports("-c", _STORE_GLUON_COMPILE, *names)
     assert [(report["name"], report["symmetric"]) for report in reports] == [
         (name, symmetric) for name in names for symmetric in (True, False)]
     for report in reports:
         key_bits, value_bits = (4, 4) if report["name"].startswith("k4v4") else (3, int(report["name"][3]))
         head_dim = int(report["name"].split("-")[1][1:])
         assert report["shuffles"] >= 3 * head_dim // 8 and report["shared"] == 0 and report["local"] == 0, report
+        config = config_mod.resolve_arch(config_mod.load(REPO / f"configs/{report['name']}.yaml"), (9, 0))
         if report["name"].endswith("planes"):  # 32-bit words (and split codes' high bytes), scale and zero in one
             assert report["stores"] == 6, report
+        elif Plan.from_config(config).store_gluon_words:
+            pairs = head_dim // 128
+            runs = [2 * key_bits] * pairs + [2 * value_bits] * pairs + [4]
+            stores = [bits for run in runs for bits, _, _ in Plan.halfword_run_stores(run)]
+            assert (report["words"], report["halves"]) == (stores.count(32), stores.count(16) + 1), report
         else:  # a lane's head_dim / 8 codes of a field in 16-bit words, and the three fp16 fields
-            assert report["stores"] == (key_bits + value_bits) * head_dim // 128 + 3, report
+            assert report["stores"] == report["halves"] == (key_bits + value_bits) * head_dim // 128 + 3, report
         assert "stack" not in report["usage"] or "0 bytes cumulative stack" in report["usage"], report
 
 
@@ -855,54 +867,6 @@ def test_a_run_of_slot_bytes_is_its_words_and_a_half_at_each_unaligned_end(run_b
         assert stores == [(32, 0, 2), (32, 4, None), (16, None, 0), (16, None, 6)]
     with pytest.raises(ValueError, match="positive even count, got 5"):
         Plan.halfword_run_stores(5)
-
-
-_STORE_WORDS_COMPILE = """
-import json, os, sys, tempfile
-sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
-import ptx_probe, tqgen
-from tqgen import config as config_mod
-for name in sys.argv[1:]:
-    module = tqgen.load(config_mod.resolve_arch(config_mod.load(f"configs/{name}.yaml"), (9, 0)), tempfile.mkdtemp())
-    ptx = ptx_probe.compile_store_gluon(module, module.STORE_GLUON_TOKENS, True).asm["ptx"]
-    print(json.dumps(dict(name=name, words=ptx.count("st.global.b32"), halves=ptx.count("st.global.b16"),
-                          local=ptx.count(".local"))))
-"""
-
-
-def test_the_pending_slots_store_words_changes_the_slots_gluon_store_only(monkeypatch):
-    """Pending `slots_store_words`: tq_store_gluon in slots (MSE keys) stores each lane's run of a field's codes,
-    and the scale and zero, as the words inside it and halves at its unaligned ends; every other config and kernel
-    renders as without it. Compiled for sm90 (this triton), the kernel's 32- and 16-bit stores are those
-    Plan.halfword_run_stores gives each run, plus the norm's half."""
-    from tqgen import config as config_mod, render
-    names = []
-    for path in sorted(REPO.glob("configs/*.yaml")):
-        config = config_mod.resolve_arch(config_mod.load(path), (9, 0))
-        monkeypatch.setenv("TQGEN_PENDING_KERNELS", "")
-        shipped = render.render(config)
-        monkeypatch.setenv("TQGEN_PENDING_KERNELS", "slots_store_words")
-        pending = render.render(config)
-        plan = Plan.from_config(config)
-        strip = lambda source: re.sub(r"(TEMPLATE_HASH = |Template hash: )\S+", "", source)  # noqa: E731
-        assert (strip(pending) == strip(shipped)) == (not plan.store_gluon_words), path.stem
-        assert plan.store_gluon_words == (plan.store_gluon and not plan.planes), path.stem
-        if plan.store_gluon_words:
-            names.append(path.stem)
-            assert "def _store_gluon_run(" in pending and "cache_phase" not in shipped, path.stem
-    assert names == ["k3v3-d128", "k3v4-d128", "k3v4-d256", "k4v4-d128", "k4v4-d64"]
-    pytest.importorskip("triton.experimental.gluon")
-    reports = offline_compile_reports("-c", _STORE_WORDS_COMPILE, *names,
-                                      environment={"TQGEN_PENDING_KERNELS": "slots_store_words"})
-    assert [report["name"] for report in reports] == names
-    for report in reports:
-        layout = Layout.from_config(config_mod.load(REPO / f"configs/{report['name']}.yaml"))
-        # A lane's head_dim / 8 codes of a field: one run of 4 bytes at head_dim 64, else pairs of 8-code groups.
-        pairs = layout.head_dim // 128
-        runs = [4, 4] if layout.head_dim == 64 else [2 * layout.key_bits] * pairs + [2 * layout.value_bits] * pairs
-        stores = [bits for run in runs + [4] for bits, _, _ in Plan.halfword_run_stores(run)]
-        assert (report["words"], report["halves"]) == (stores.count(32), stores.count(16) + 1), report
-        assert report["local"] == 0, report
 
 
 GLUON_STORE_CASES = ([(preset, 128, order) for preset in ("k3v4", "k4v4", "k3v3")
@@ -932,7 +896,7 @@ def test_the_gluon_store_writes_tq_stores_bytes_and_nothing_else(build_module, m
     order), the reference's too; with the default codebook (half search), other centroids and given boundaries
     (the general one); skipped slots (negative, or past the cache unvalidated) and other slots untouched; tokens
     that do not fill the last program. Slots in either order (head_dim 64, 128, 256), and at an address 2 bytes into
-    a word (where the word stores of `slots_store_words` start elsewhere); planes with the norms corrected by the
+    a word (where the word stores of Plan.store_gluon_words start elsewhere); planes with the norms corrected by the
     codes' centroids (the presets) or not."""
     config = (make_config(preset, cache_layout="planes", norm_correction=order == "planes")
               if order.startswith("planes") else make_config(preset, head_dim=head_dim))

@@ -57,15 +57,7 @@ MAX_NUM_WARPS = 32
 # "Kernels waiting for a re-tune"), so that they are kept and tested meanwhile. Every module renders without them
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
-PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
-    "one_stage_vector_partials": "slots with fp8 keys (k8v4-d128): the Gluon stage 1's launches of 1 stage store "
-                                 "their partials 16 bytes a lane, as every other format's do; the ring keeps the "
-                                 "scalar stores (compiled offline only, 2026-12-07)",
-    "slots_store_words": "slots with MSE keys (k3v4, k4v4, k3v3 at head_dim 128; k4v4-d64, k3v4-d256): "
-                         "tq_store_gluon writes each lane's run of 2-byte aligned slot bytes as the 32-bit words "
-                         "inside it and 16-bit halves at its ends, and the scale and zero as one word where "
-                         "aligned (compiled offline only, 2026-12-07; the store is outside the decode hash)",
-}
+PENDING_KERNELS: dict[str, str] = {}  # name -> what it changes (docs/tuning.md)
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
 # files spell them) render it without TQGEN_PENDING_KERNELS. Landing its last format removes its entries here and
@@ -344,10 +336,14 @@ class Plan:
     def store_gluon_words(self) -> bool:
         """Whether tq_store_gluon (slots) writes each lane's run of slot bytes, which starts 2-byte aligned, as the
         32-bit words inside it and 16-bit halves at its ends (halfword_run_stores), and the scale and zero as one
-        run: the pending kernel `slots_store_words`. The slots store was bound by the L2 (87% busy for k3v4, ncu,
-        H100, 2026-12-06), which takes each store instruction's sectors as requests: a run of 8 bytes in 2-3 stores
-        instead of 4, of 6 in 2 instead of 3."""
-        return self.store_gluon and not self.planes and self.renders("slots_store_words")
+        run, instead of a 16-bit store per 2 bytes. The slots store was bound by the L2 (87% busy for k3v4, ncu, H100,
+        2026-12-06), which takes each store's sectors as requests: a lane's 8 bytes of 4-bit values go out in 2-3
+        stores instead of 4. Where the values are 4 bits and a lane holds at least 16 of them (head_dim >= 128): at
+        65536 tokens k3v4 165.7 -> 154.2 us, k4v4 166.3 -> 162.1, k3v4-d256 335.9 -> 306.5; not k3v3 (3-bit values,
+        6-byte runs: 145.8 -> 148.7) nor k4v4-d64 (4-byte runs: 90.6 -> 90.0, 4096 tokens 6.8 -> 7.0) (H100, one
+        run, 2026-12-07, docs/kernels.md)."""
+        return (self.store_gluon and not self.planes and self.layout.value_bits == 4
+                and self.layout.head_dim >= 128)
 
     @staticmethod
     def halfword_run_stores(run_bytes: int) -> list[tuple[int, int | None, int | None]]:
@@ -370,12 +366,9 @@ class Plan:
 
     @property
     def store_gluon_run_bytes(self) -> list[int]:
-        """The run lengths tq_store_gluon writes with store_gluon_words: a lane's codes of a field (head_dim / 8
-        codes: 4 bytes at head_dim 64, else pairs of 8-code groups, 2 x bits bytes) and the scale and zero (4)."""
-        layout = self.layout
-        if layout.head_dim == 64:
-            return [4]
-        return sorted({4, 2 * layout.key_bits, 2 * layout.value_bits})
+        """The run lengths tq_store_gluon writes with store_gluon_words: a lane's pairs of 8-code groups of a field
+        (2 x bits bytes) and the scale and zero (4)."""
+        return sorted({4, 2 * self.layout.key_bits, 2 * self.layout.value_bits})
 
     @staticmethod
     def code_square_terms(bits: int) -> list[tuple[list[int], str]]:
@@ -414,14 +407,13 @@ class Plan:
 
     @property
     def stage1_vector_partials_at_one_stage(self) -> bool:
-        """Where the single-token Gluon stage 1 keeps scalar partial stores (stage1_vector_partials false), whether
-        its launches of 1 stage store them 16 bytes a lane anyway (STAGES a constexpr: one kernel, a branch that
-        compiles away): the pending kernel `one_stage_vector_partials`. Those launches lost nothing to the 16-byte
-        stores at 1 x 4096, 8 x 8192 and 32 x 16384 (0.97-1.01x of the time, 32- and 64-token tiles at 8 splits),
-        32-token tiles in the ring of 2 lost 4-14% at batch >= 8, and the whole call at 1 x 4096 and 64 splits took
-        7.4 us instead of 10.2 (H100, 2026-12-05/06, docs/limits.md "Small batches"). k8v4 slots' H100 launches of
-        1 stage: 7 of its 16 buckets of batch 1-8 (1 x 1K-16K, 2 x 4K, 4 x 1K-4K, 8 x 1K)."""
-        return not self.stage1_vector_partials and self.renders("one_stage_vector_partials")
+        """Where the single-token Gluon stage 1 keeps scalar partial stores (stage1_vector_partials false), its
+        launches of 1 stage store them 16 bytes a lane anyway (STAGES a constexpr: one kernel, a branch that compiles
+        away); the ring keeps the scalar stores. Slots k8v4's 1-stage launches took 0.58-0.94x the time at batch 1-8
+        where their partials' round trip is the call's tail, 0.98-1.00x at 8 x 8192 and 32 x 16384, the ring's
+        1.000x (H100, 2026-12-07, tools/ab_modules.py; docs/limits.md "Small batches"): its re-tune took 1 x 4096
+        from 9.4 to 6.9 us."""
+        return not self.stage1_vector_partials
 
     @property
     def stage1_rotates_query(self) -> bool:
