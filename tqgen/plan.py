@@ -409,10 +409,10 @@ class Plan:
     def stage1_vector_partials_at_one_stage(self) -> bool:
         """Where the single-token Gluon stage 1 keeps scalar partial stores (stage1_vector_partials false), its
         launches of 1 stage store them 16 bytes a lane anyway (STAGES a constexpr: one kernel, a branch that compiles
-        away); the ring keeps the scalar stores. Slots k8v4's 1-stage launches took 0.58-0.94x the time at batch 1-8
-        where their partials' round trip is the call's tail, 0.98-1.00x at 8 x 8192 and 32 x 16384, the ring's
-        1.000x (H100, 2026-12-07, tools/ab_modules.py; docs/limits.md "Small batches"): its re-tune took 1 x 4096
-        from 9.4 to 6.9 us."""
+        away); the ring keeps the scalar stores. Slots k8v4's 1-stage launches took 0.58-0.99x the time at batch 1-8,
+        where their partials' round trip is the call's tail (but 1.055x at 1 x 1024 and 16 splits, 5.4 -> 5.7 us),
+        0.98-1.00x at 32 x 16384, the ring's 1.000x (H100, 2026-12-07, tools/ab_modules.py; docs/limits.md "Small
+        batches"): its re-tune took the tuner's best at 1 x 4096 from 9.4 to 6.9 us."""
         return not self.stage1_vector_partials
 
     @property
