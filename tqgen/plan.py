@@ -57,7 +57,11 @@ MAX_NUM_WARPS = 32
 # "Kernels waiting for a re-tune"), so that they are kept and tested meanwhile. Every module renders without them
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
-PENDING_KERNELS: dict[str, str] = {}  # name -> what it changes (docs/tuning.md)
+PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
+    "slots_store_interleaved": "the slots MSE store at head_dim 128 (k3v4, k4v4, k3v3): each store of a code field "
+                               "has a token's 8 lanes write 8 consecutive words, shuffled from the lanes that hold "
+                               "them (compiled offline only, 2026-12-07; the store is outside the decode hash)",
+}
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
 # files spell them) render it without TQGEN_PENDING_KERNELS. Landing its last format removes its entries here and
@@ -344,6 +348,21 @@ class Plan:
         run, 2026-12-07, docs/kernels.md)."""
         return (self.store_gluon and not self.planes and self.layout.value_bits == 4
                 and self.layout.head_dim >= 128)
+
+    @property
+    def store_gluon_interleaved(self) -> bool:
+        """Whether tq_store_gluon (slots, head_dim 128) writes each code field as consecutive 32-bit words, the 8 of
+        a store from a token's 8 lanes, each word's bytes shuffled from the lanes that hold them (3 shuffles a
+        store), so that a store covers 32 contiguous bytes of the field where one of a lane's own words or halves
+        spread over all of it: the pending kernel `slots_store_interleaved`."""
+        return (self.store_gluon and not self.planes and self.layout.head_dim == 128
+                and self.renders("slots_store_interleaved"))
+
+    @property
+    def store_gluon_cache_phase(self) -> bool:
+        """Whether tq_store_gluon takes the cache's address % 4 (store_gluon_words or store_gluon_interleaved: where
+        its runs of slot bytes meet the 32-bit words)."""
+        return self.store_gluon_words or self.store_gluon_interleaved
 
     @staticmethod
     def halfword_run_stores(run_bytes: int) -> list[tuple[int, int | None, int | None]]:
