@@ -195,6 +195,11 @@ def timed_kv_heads(entry: dict) -> int:
     return count if type(count) is int and count > 0 else DEFAULT_KV_HEADS
 
 
+def buckets_kv_heads(buckets: dict) -> int | None:
+    """The KV heads a file's buckets were timed over (read() refuses a file that mixes counts), None for none."""
+    return next((timed_kv_heads(entry) for entry in buckets.values()), None)
+
+
 def _try_flock(handle) -> bool:
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -331,10 +336,10 @@ def save_bucket(path: Path, metadata: dict[str, Any], key: str, entry: dict[str,
             buckets = read(path, metadata)
         except Unusable as exc:
             raise TqgenError(f"not overwriting {exc}; move it away to re-tune") from None
-        counts = {timed_kv_heads(earlier) for earlier in buckets.values()}
-        if counts and timed_kv_heads(entry) not in counts:
+        timed = buckets_kv_heads(buckets)
+        if timed is not None and timed_kv_heads(entry) != timed:
             raise TqgenError(f"not adding bucket {key} timed over {timed_kv_heads(entry)} KV heads to {path}, whose "
-                             f"buckets were timed over {counts.pop()}; move it away to re-tune")
+                             f"buckets were timed over {timed}; move it away to re-tune")
         buckets = {**buckets, key: entry}
         ordered = dict(sorted(buckets.items(), key=lambda item: bucket_sort_key(item[0])))
         document = {"metadata": metadata, "buckets": ordered}
@@ -387,7 +392,7 @@ def baked_launches(root: Path, config: Config, warn) -> dict[str, dict]:
             "triton_version": metadata["triton_version"],
             "source": f"{device_dir.name}/{path.name} ({str(metadata.get('date', ''))[:10]})",
             # A module buckets a call's batch in (sequence, KV head) pairs over this many (buckets.bucket_batch).
-            "kv_heads": timed_kv_heads(next(iter(buckets.values()))),
+            "kv_heads": buckets_kv_heads(buckets),
             "buckets": {key: baked_launch(entry["best"]) for key, entry in buckets.items()},
         }
     return baked

@@ -432,9 +432,9 @@ def tune(config: Config, module: ModuleType, buckets: list[tuple[int, int, int]]
         kept, done = tuned_files.set_aside_unusable(path, metadata)
         if kept is not None:
             progress(f"{exc}: kept as {kept.name}, re-tuning every bucket")
-    timed = {tuned_files.timed_kv_heads(entry) for entry in done.values()}
-    if timed and num_kv_heads not in timed:  # save_bucket would refuse the first bucket after its timing
-        raise TqgenError(f"{path} holds buckets timed over {timed.pop()} KV heads; --kv-heads {num_kv_heads} would "
+    timed = tuned_files.buckets_kv_heads(done)
+    if timed is not None and num_kv_heads != timed:  # save_bucket would refuse the first bucket after its timing
+        raise TqgenError(f"{path} holds buckets timed over {timed} KV heads; --kv-heads {num_kv_heads} would "
                          f"mix the two (a module counts a call's batch in KV head pairs over one count): tune into "
                          f"another --tuned-dir, or move the file away")
     # Tune at the top of each bucket, once per bucket.
