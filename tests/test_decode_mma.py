@@ -144,6 +144,53 @@ def test_slots_fp8_keys_store_partials_16_bytes_a_lane_at_one_stage_only():
     assert reports[1]["stores"] == reports[2]["stores"] - 32 + 8
 
 
+_SLOTS_ONE_STAGE_SCRIPT = """
+import json, os, sys, tempfile
+sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
+import ptx_probe, tqgen
+from tqgen import config as config_mod
+for name in sys.argv[1:]:
+    config = config_mod.resolve_arch(config_mod.load(f"configs/{name}.yaml"), (9, 0))
+    module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-mma-"))
+    for stages in (1, 2):
+        ptx = ptx_probe.compile_stage1_mma(module, 32, 4, stages=stages).asm["ptx"]
+        print(json.dumps(dict(name=name, stages=stages, copies=ptx.count("cp.async.ca"),
+                              word_loads=ptx.count("ld.global.b32"), local=ptx.count(".local"))))
+"""
+
+
+def test_the_pending_slots_one_stage_changes_the_mse_slots_decode_only(monkeypatch):
+    """Pending `slots_one_stage`: the Gluon stage 1 on slots with MSE keys takes launches of one stage (each field's
+    words loaded where used, MMA_MIN_STAGES 1); every other config renders as without it. Compiled for sm90 (this
+    triton): the launch of one stage loads, as 32-bit words, what the ring of 2 copies 4 bytes at a time."""
+    names = []
+    for path in sorted(REPO.glob("configs/*.yaml")):
+        config = config_mod.resolve_arch(config_mod.load(path), (9, 0))
+        monkeypatch.setenv("TQGEN_PENDING_KERNELS", "")
+        shipped = render.render(config)
+        monkeypatch.setenv("TQGEN_PENDING_KERNELS", "slots_one_stage")
+        pending = render.render(config)
+        plan = Plan.from_config(config)
+        strip = lambda source: re.sub(r"(TEMPLATE_HASH = |Template hash: )\S+", "", source)  # noqa: E731
+        assert (strip(pending) == strip(shipped)) == (not plan.halfword_slots_one_stage), path.stem
+        if plan.halfword_slots_one_stage:
+            names.append(path.stem)
+            assert "MMA_MIN_STAGES = 1" in pending and "MMA_MIN_STAGES = 2" in shipped, path.stem
+            assert "def _mma_load_words(" in pending and "def _mma_load_words(" not in shipped, path.stem
+    assert names == ["k3v3-d128", "k3v4-d128", "k3v4-d256", "k4v4-d128", "k4v4-d64"]
+    pytest.importorskip("triton.experimental.gluon")
+    reports = offline_compile_reports("-c", _SLOTS_ONE_STAGE_SCRIPT, "k3v4-d128", "k3v3-d128", timeout=900,
+                                      environment={"TQGEN_PENDING_KERNELS": "slots_one_stage"})
+    by_launch = {(report["name"], report["stages"]): report for report in reports}
+    for name in ("k3v4-d128", "k3v3-d128"):
+        one, ring = by_launch[name, 1], by_launch[name, 2]
+        assert one["copies"] == 0 and one["local"] == 0 and ring["local"] == 0, one
+        # Every word a tile's copies move (the ring's PTX copies the first tile before the loop and the next in it)
+        # is loaded, beside the words both load outside the tiles; the per-token words more than once (every lane
+        # of a token's four loads them: the layout the kernel reads them in holds them so).
+        assert one["word_loads"] - ring["word_loads"] >= ring["copies"] // 2, (one, ring)
+
+
 def test_stage1_kernel_choices_per_format(monkeypatch):
     """Stage 1 rotates the query itself for MSE keys under the Hadamard rotation at head_dim 128, both layouts;
     the Gluon stage 1 stores its partials 16 bytes a lane (VECTOR_PARTIALS, in decode's, the merging and
@@ -458,12 +505,15 @@ def test_mse_slots_decode_takes_the_mma_kernel_through_its_ring(build_module, mo
                                                                 expect_mma):
     """MSE keys in slots: the Gluon kernel copies the 32-bit words that hold each 2-byte aligned field, through its
     ring only, so it takes caches whose first byte is 16-byte aligned and whose block stride is a multiple of 4
-    (even position and head strides: fields start at byte 0 or 2 of a word), with at least 2 stages; its
+    (even position and head strides: fields start at byte 0 or 2 of a word), with at least 2 stages (1 where the
+    pending kernel slots_one_stage renders: its words then loaded where used); its
     HEAD_STRIDE_PHASE is the head stride % 4, 0 where every page starts at a word (vLLM's head-major cache), in
     decode's launch, in decode_multi's and in the launch of the kernel that merges its own splits."""
     config = mma_config(preset, cache_layout="slots")
     module = build_module(config)
     device = "cuda" if HAS_CUDA else "cpu"
+    if stages < 2:  # the ring only, unless the pending kernel slots_one_stage renders (MMA_MIN_STAGES 1)
+        expect_mma = stages >= module.MMA_MIN_STAGES
     mma, dot = _record_stage1(module, monkeypatch, expect_mma)
     if kind == "halfword_start":  # every slot 2 bytes into a word
         flat = torch.zeros(8 * module.PAGE_SIZE * 2 * module.SLOT_BYTES + 2, dtype=torch.uint8, device=device)
@@ -865,6 +915,13 @@ MSE_SLOTS_MMA_CASES = [  # (preset, page, block_kv, group_size, num_splits, num_
     ("k3v3", 64, 32, 8, 16, 2, True, True), ("k3v3", 16, 32, 1, 1, 2, False, True),
     # small pages, the ring's page bits at their limit: 16 pages x 2 slots, 8 x 3
     ("k3v4", 2, 32, 4, 3, 2, True, True), ("k4v4", 4, 32, 4, 3, 3, False, True), ("k3v3", 2, 32, 4, 3, 2, False, True),
+    # launches of one stage (the pending kernel slots_one_stage; skipped where the module takes the ring only)
+    *[(preset, 16, block_kv, 4, 3, 1, head_major, True) for preset in ("k3v4", "k4v4", "k3v3") for block_kv in (32, 64)
+      for head_major in (True, False)],
+    *[(preset, page, block_kv, group_size, num_splits, 1, True, True) for preset in ("k3v4", "k3v3")
+      for page, block_kv, group_size, num_splits in [(1, 32, 4, 3), (2, 64, 4, 3), (64, 32, 4, 3), (16, 32, 1, 16),
+                                                     (16, 32, 16, 1), (16, 64, 6, 16)]],
+    ("k4v4", 16, 32, 8, 16, 1, False, False),
 ]
 
 
@@ -878,6 +935,8 @@ def test_mse_slots_mma_decode_matches_reference(build_module, monkeypatch, prese
     (head-major) or position-major: ragged lengths around tile and page bounds (and 0)."""
     config = mma_config(preset, block_size=page, cache_layout="slots", norm_correction=norm_correction)
     module = build_module(config)
+    if num_stages < module.MMA_MIN_STAGES:
+        pytest.skip("launches of one stage take the tl.dot kernel (TQGEN_PENDING_KERNELS=slots_one_stage: the Gluon)")
     spy = _spy(module, monkeypatch)
     check_decode(module, config, "cuda", MANY_LENS, group_size=group_size, block_kv=block_kv, num_splits=num_splits,
                  num_warps=1, num_stages=num_stages, position_major=not head_major)
@@ -894,6 +953,9 @@ HALFWORD_SLOTS_64_256_CASES = [  # (preset, head_dim, page, block_kv, group_size
       for group_size in (1, 6, 8, 16) for num_splits in (1, 16)],
     ("k4v4", 64, 64, 32, 4, 3, 2, True, False), ("k3v4", 256, 128, 64, 4, 3, 2, False, False),
     ("k3v4", 256, 2, 32, 4, 3, 2, True, True), ("k4v4", 64, 4, 32, 4, 3, 3, False, True),
+    # launches of one stage (the pending kernel slots_one_stage; skipped where the module takes the ring only)
+    *[(preset, head_dim, 16, block_kv, 4, 3, 1, head_major, True)
+      for preset, head_dim in (("k4v4", 64), ("k3v4", 256)) for block_kv, head_major in ((32, True), (64, False))],
 ]
 
 
@@ -908,6 +970,8 @@ def test_halfword_slots_at_head_dims_64_and_256_match_reference(build_module, mo
     tokens against reference.decode_multi."""
     config = mma_config(preset, head_dim, block_size=page, cache_layout="slots", norm_correction=norm_correction)
     module = build_module(config)
+    if num_stages < module.MMA_MIN_STAGES:
+        pytest.skip("launches of one stage take the tl.dot kernel (TQGEN_PENDING_KERNELS=slots_one_stage: the Gluon)")
     spy = _spy(module, monkeypatch)
     check_decode(module, config, "cuda", MANY_LENS, group_size=group_size, block_kv=block_kv, num_splits=num_splits,
                  num_warps=1, num_stages=num_stages, position_major=not head_major)
