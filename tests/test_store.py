@@ -871,47 +871,6 @@ def test_a_run_of_slot_bytes_is_its_words_and_a_half_at_each_unaligned_end(run_b
         Plan.halfword_run_stores(5)
 
 
-def test_the_pending_slots_store_interleaved_changes_the_slots_store_at_head_dim_128_only(monkeypatch):
-    """Pending `slots_store_interleaved`: tq_store_gluon in slots at head_dim 128 (k3v4, k4v4, k3v3) writes each
-    code field as consecutive words, 8 a store; every other config renders as without it. Compiled for sm90 (this
-    triton): per code field 2 word stores (8 lanes x 4 bytes of a token each: 48 or 64 bytes) and one 16-bit store
-    of the edges where it starts mid-word, its words' bytes gathered by shuffles; the scale and zero and the norm
-    as without it."""
-    from tqgen import render
-    names = []
-    for path in sorted(REPO.glob("configs/*.yaml")):
-        config = config_mod.resolve_arch(config_mod.load(path), (9, 0))
-        monkeypatch.setenv("TQGEN_PENDING_KERNELS", "")
-        shipped = render.render(config)
-        monkeypatch.setenv("TQGEN_PENDING_KERNELS", "slots_store_interleaved")
-        pending = render.render(config)
-        plan = Plan.from_config(config)
-        strip = lambda source: re.sub(r"(TEMPLATE_HASH = |Template hash: )\S+", "", source)  # noqa: E731
-        assert (strip(pending) == strip(shipped)) == (not plan.store_gluon_interleaved), path.stem
-        if plan.store_gluon_interleaved:
-            names.append(path.stem)
-            assert "def _store_gluon_field_words(" in pending and "def _store_gluon_field_words(" not in shipped
-    assert names == ["k3v3-d128", "k3v4-d128", "k4v4-d128"]
-    pytest.importorskip("triton.experimental.gluon")
-    reports = offline_compile_reports("-c", _STORE_GLUON_COMPILE, *names,
-                                      environment={"TQGEN_PENDING_KERNELS": "slots_store_interleaved"})
-    for report in reports:
-        # 2 fields x (2 word stores + 1 edge store), the norm's half, and the scale and zero: a run of 4 bytes
-        # (4-bit values: Plan.store_gluon_words) or two halves.
-        scale_zero = ([bits for bits, _, _ in Plan.halfword_run_stores(4)] if report["name"] != "k3v3-d128"
-                      else [16, 16])
-        assert (report["words"], report["halves"]) == (4 + scale_zero.count(32), 3 + scale_zero.count(16)), report
-        assert report["gathers"] == 2 * 2 * 3, report  # a word's holder's two halves and the next lane's first
-        assert report["shuffles"] >= 3 * 128 // 8 and report["shared"] == 0 and report["local"] == 0, report
-
-
-GLUON_STORE_CASES = ([(preset, 128, order) for preset in ("k3v4", "k4v4", "k3v3")
-                      for order in ("head_major", "position_major", "head_major_mid_word", "planes",
-                                    "planes-uncorrected")]
-                     + [(preset, head_dim, order) for preset, head_dim in (("k4v4", 64), ("k3v4", 256))
-                        for order in ("head_major", "position_major", "head_major_mid_word")])
-
-
 def _two_bytes_into_a_word(cache):
     """The same cache (shape, strides, bytes) at an address 2 bytes into a 32-bit word, which slots allow (fields
     are 2-byte aligned): every run of slot bytes then starts at the other place in its word."""

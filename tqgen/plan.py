@@ -58,12 +58,10 @@ MAX_NUM_WARPS = 32
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
 PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
-    "slots_store_interleaved": "the slots MSE store at head_dim 128 (k3v4, k4v4, k3v3): each store of a code field "
-                               "has a token's 8 lanes write 8 consecutive words, shuffled from the lanes that hold "
-                               "them (compiled offline only, 2026-12-07; the store is outside the decode hash)",
     "slots_one_stage": "the Gluon stage 1 on slots with MSE keys (Plan.mma_halfword_slots) takes launches of one "
-                       "stage: each field's words loaded where used, as the ring copies them (compiled offline "
-                       "only, 2026-12-07; changes those slots files' decode hash)",
+                       "stage: each field's words loaded where used, as the ring copies them (its GPU tests passed "
+                       "on an H100, 2026-12-07; waits for the re-tune of those slots files, whose decode hash it "
+                       "changes)",
 }
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
@@ -353,15 +351,6 @@ class Plan:
                 and self.layout.head_dim >= 128)
 
     @property
-    def store_gluon_interleaved(self) -> bool:
-        """Whether tq_store_gluon (slots, head_dim 128) writes each code field as consecutive 32-bit words, the 8 of
-        a store from a token's 8 lanes, each word's bytes shuffled from the lanes that hold them (3 shuffles a
-        store), so that a store covers 32 contiguous bytes of the field where one of a lane's own words or halves
-        spread over all of it: the pending kernel `slots_store_interleaved`."""
-        return (self.store_gluon and not self.planes and self.layout.head_dim == 128
-                and self.renders("slots_store_interleaved"))
-
-    @property
     def halfword_slots_one_stage(self) -> bool:
         """Whether the Gluon stage 1 on slots with MSE keys (mma_halfword_slots) runs launches of one stage, each
         field's words loaded where they are used (the words its ring copies, in the layouts it reads them in),
@@ -369,12 +358,6 @@ class Plan:
         slots k8v4 kernels' best launches are of one stage, and slots MSE lose to fp16 SDPA at 2 x 4096 and
         8 x 1024 on their ring of 2 (BENCHMARKS.md)."""
         return self.mma_halfword_slots and self.renders("slots_one_stage")
-
-    @property
-    def store_gluon_cache_phase(self) -> bool:
-        """Whether tq_store_gluon takes the cache's address % 4 (store_gluon_words or store_gluon_interleaved: where
-        its runs of slot bytes meet the 32-bit words)."""
-        return self.store_gluon_words or self.store_gluon_interleaved
 
     @staticmethod
     def halfword_run_stores(run_bytes: int) -> list[tuple[int, int | None, int | None]]:
