@@ -871,6 +871,13 @@ def test_a_run_of_slot_bytes_is_its_words_and_a_half_at_each_unaligned_end(run_b
         Plan.halfword_run_stores(5)
 
 
+GLUON_STORE_CASES = ([(preset, 128, order) for preset in ("k3v4", "k4v4", "k3v3")
+                      for order in ("head_major", "position_major", "head_major_mid_word", "planes",
+                                    "planes-uncorrected")]
+                     + [(preset, head_dim, order) for preset, head_dim in (("k4v4", 64), ("k3v4", 256))
+                        for order in ("head_major", "position_major", "head_major_mid_word")])
+
+
 def _two_bytes_into_a_word(cache):
     """The same cache (shape, strides, bytes) at an address 2 bytes into a 32-bit word, which slots allow (fields
     are 2-byte aligned): every run of slot bytes then starts at the other place in its word."""
