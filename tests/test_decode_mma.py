@@ -117,16 +117,20 @@ def test_pending_kernels_land_format_by_format(monkeypatch):
             name != "k8v4-d128")
 
 
-_ONE_STAGE_STORES_SCRIPT = """
+# The PTX counts of stage 1 of each config named, compiled offline for sm90 at 32-token tiles in 1 and 2 stages.
+_STAGE1_PTX_COUNTS_SCRIPT = """
 import json, os, sys, tempfile
 sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
 import ptx_probe, tqgen
 from tqgen import config as config_mod
-config = config_mod.resolve_arch(config_mod.load("configs/k8v4-d128.yaml"), (9, 0))
-module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-mma-"))
-for stages in (1, 2):
-    ptx = ptx_probe.compile_stage1_mma(module, 32, 4, stages=stages).asm["ptx"]
-    print(json.dumps(dict(stages=stages, stores=ptx.count("st.global"), vector_stores=ptx.count("st.global.v4"))))
+for name in sys.argv[1:]:
+    config = config_mod.resolve_arch(config_mod.load(f"configs/{name}.yaml"), (9, 0))
+    module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-mma-"))
+    for stages in (1, 2):
+        ptx = ptx_probe.compile_stage1_mma(module, 32, 4, stages=stages).asm["ptx"]
+        print(json.dumps(dict(name=name, stages=stages, stores=ptx.count("st.global"),
+                              vector_stores=ptx.count("st.global.v4"), copies=ptx.count("cp.async.ca"),
+                              word_loads=ptx.count("ld.global.b32"), local=ptx.count(".local"))))
 """
 
 
@@ -138,25 +142,10 @@ def test_slots_fp8_keys_store_partials_16_bytes_a_lane_at_one_stage_only():
     source = render.render(config)
     body = source[source.index("def tq_decode_stage1_mma("):].split("@gluon.jit")[0]
     assert "if STAGES == 1:" in body and "VECTOR_PARTIALS: gl.constexpr" in body
-    reports = {report["stages"]: report for report in offline_compile_reports("-c", _ONE_STAGE_STORES_SCRIPT,
-                                                                              timeout=600)}
+    reports = {report["stages"]: report for report in offline_compile_reports("-c", _STAGE1_PTX_COUNTS_SCRIPT,
+                                                                              "k8v4-d128", timeout=600)}
     assert reports[1]["vector_stores"] == 8 and reports[2]["vector_stores"] == 0
     assert reports[1]["stores"] == reports[2]["stores"] - 32 + 8
-
-
-_SLOTS_ONE_STAGE_SCRIPT = """
-import json, os, sys, tempfile
-sys.path[:0] = [os.path.join(os.getcwd(), "tools"), os.getcwd()]
-import ptx_probe, tqgen
-from tqgen import config as config_mod
-for name in sys.argv[1:]:
-    config = config_mod.resolve_arch(config_mod.load(f"configs/{name}.yaml"), (9, 0))
-    module = tqgen.load(config, tempfile.mkdtemp(prefix="tqgen-mma-"))
-    for stages in (1, 2):
-        ptx = ptx_probe.compile_stage1_mma(module, 32, 4, stages=stages).asm["ptx"]
-        print(json.dumps(dict(name=name, stages=stages, copies=ptx.count("cp.async.ca"),
-                              word_loads=ptx.count("ld.global.b32"), local=ptx.count(".local"))))
-"""
 
 
 def test_the_pending_slots_one_stage_changes_the_mse_slots_decode_only(monkeypatch):
@@ -179,7 +168,7 @@ def test_the_pending_slots_one_stage_changes_the_mse_slots_decode_only(monkeypat
             assert "def _mma_load_words(" in pending and "def _mma_load_words(" not in shipped, path.stem
     assert names == ["k3v3-d128", "k3v4-d128", "k3v4-d256", "k4v4-d128", "k4v4-d64"]
     pytest.importorskip("triton.experimental.gluon")
-    reports = offline_compile_reports("-c", _SLOTS_ONE_STAGE_SCRIPT, "k3v4-d128", "k3v3-d128", timeout=900,
+    reports = offline_compile_reports("-c", _STAGE1_PTX_COUNTS_SCRIPT, "k3v4-d128", "k3v3-d128", timeout=900,
                                       environment={"TQGEN_PENDING_KERNELS": "slots_one_stage"})
     by_launch = {(report["name"], report["stages"]): report for report in reports}
     for name in ("k3v4-d128", "k3v3-d128"):
