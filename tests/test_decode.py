@@ -154,7 +154,7 @@ def test_gqa_equals_heads_expanded(device, build_module):
 def test_page_size_one_equals_page_size_sixteen(device, build_module):
     """The same tokens in pages of 1 and of 16, decoded with one launch on the tl.dot stage 1 (2 warps: the same
     tiles and splits): where a token's page is must not change the result. (The Gluon stage 1 takes pages of 1
-    without a ring only, which MSE keys in slots never do: test_decode_mma checks it at small pages.)"""
+    in launches of one stage, without a ring: test_decode_mma checks it at small pages.)"""
     small, large = make_config("k3v3", block_size=1), make_config("k3v3", block_size=16)
     outputs = []
     for config in (small, large):

@@ -229,7 +229,7 @@ def test_the_gluon_merging_kernel_on_the_gpu(build_module, monkeypatch, preset, 
     module = build_module(config)
     spy = KernelRecorder(module.tq_decode_stage1_mma_merged)
     monkeypatch.setattr(module, "tq_decode_stage1_mma_merged", spy)
-    stages = (1, 2) if module.MMA_MIN_STAGES == 1 else (2,)  # slots with MSE keys: the ring only, unless pending
+    stages = (1, 2)  # words loaded where used, and through the ring
     for num_splits in (1, 5, 40):
         for num_stages in stages:
             check_decode(module, config, "cuda", SEQ_LENS + [5000], group_size=group_size, dtype=torch.float16,

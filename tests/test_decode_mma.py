@@ -148,28 +148,22 @@ def test_slots_fp8_keys_store_partials_16_bytes_a_lane_at_one_stage_only():
     assert reports[1]["stores"] == reports[2]["stores"] - 32 + 8
 
 
-def test_the_pending_slots_one_stage_changes_the_mse_slots_decode_only(monkeypatch):
-    """Pending `slots_one_stage`: the Gluon stage 1 on slots with MSE keys takes launches of one stage (each field's
-    words loaded where used, MMA_MIN_STAGES 1); every other config renders as without it. Compiled for sm90 (this
+def test_mse_slots_stage1_loads_its_words_where_used_at_one_stage(monkeypatch):
+    """The Gluon stage 1 on slots with MSE keys (Plan.mma_halfword_slots) takes launches of one stage, each field's
+    words loaded where they are used (_mma_load_words) instead of copied through the ring. Compiled for sm90 (this
     triton): the launch of one stage loads, as 32-bit words, what the ring of 2 copies 4 bytes at a time."""
+    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "")  # the shipped renders
     names = []
     for path in sorted(REPO.glob("configs/*.yaml")):
         config = config_mod.resolve_arch(config_mod.load(path), (9, 0))
-        monkeypatch.setenv("TQGEN_PENDING_KERNELS", "")
-        shipped = render.render(config)
-        monkeypatch.setenv("TQGEN_PENDING_KERNELS", "slots_one_stage")
-        pending = render.render(config)
-        plan = Plan.from_config(config)
-        strip = lambda source: re.sub(r"(TEMPLATE_HASH = |Template hash: )\S+", "", source)  # noqa: E731
-        assert (strip(pending) == strip(shipped)) == (not plan.halfword_slots_one_stage), path.stem
-        if plan.halfword_slots_one_stage:
+        source = render.render(config)
+        if Plan.from_config(config).mma_halfword_slots:
             names.append(path.stem)
-            assert "MMA_MIN_STAGES = 1" in pending and "MMA_MIN_STAGES = 2" in shipped, path.stem
-            assert "def _mma_load_words(" in pending and "def _mma_load_words(" not in shipped, path.stem
+        assert ("def _mma_load_words(" in source) == (path.stem in names), path.stem
+        assert "MMA_MIN_STAGES = 1" in source or "MMA_MIN_STAGES" not in source, path.stem
     assert names == ["k3v3-d128", "k3v4-d128", "k3v4-d256", "k4v4-d128", "k4v4-d64"]
     pytest.importorskip("triton.experimental.gluon")
-    reports = offline_compile_reports("-c", _STAGE1_PTX_COUNTS_SCRIPT, "k3v4-d128", "k3v3-d128", timeout=900,
-                                      environment={"TQGEN_PENDING_KERNELS": "slots_one_stage"})
+    reports = offline_compile_reports("-c", _STAGE1_PTX_COUNTS_SCRIPT, "k3v4-d128", "k3v3-d128", timeout=900)
     by_launch = {(report["name"], report["stages"]): report for report in reports}
     for name in ("k3v4-d128", "k3v3-d128"):
         one, ring = by_launch[name, 1], by_launch[name, 2]
@@ -271,9 +265,9 @@ COMPILE_CASES = [  # (preset, head_dim, page, block_kv, group_size, norm_correct
     *[("k8v4", head_dim, page, block_kv, group_size, True, stages, False, "slots-head-major")
       for head_dim, page, block_kv, group_size, stages in [(64, 16, 32, 4, 2), (256, 64, 32, 4, 2), (128, 16, 32, 16, 2),
                                                            (128, 16, 64, 1, 1)]],
-    # slots with MSE keys (2-byte aligned fields; the ring only), in both dim orders of the cache
+    # slots with MSE keys (2-byte aligned fields: copied through the ring, or loaded where used), in both dim orders
     *[(preset, 128, 16, kv, 4, True, stages, False, order) for preset in ("k3v4", "k4v4", "k3v3") for kv in (32, 64)
-      for stages in RING_STAGES for order in ("slots-head-major", "slots-position-major")],
+      for stages in [1] + RING_STAGES for order in ("slots-head-major", "slots-position-major")],
     *[(preset, 128, page, block_kv, group_size, norm_correction, 2, False, "slots-head-major")
       for preset in ("k3v4", "k4v4") for page, block_kv, group_size, norm_correction in [
           (64, 32, 4, True), (128, 64, 4, True), (16, 32, 1, True), (16, 32, 16, True), (16, 32, 4, False)]],
@@ -488,21 +482,19 @@ def test_slots_decode_takes_the_mma_kernel_where_its_copies_stay_aligned(build_m
 
 @pytest.mark.parametrize("preset", ["k3v4", "k4v4", "k3v3"])
 @pytest.mark.parametrize("kind,stages,expect_mma", [
-    ("head_major", 2, True), ("position_major", 2, True), ("position_major", 3, True), ("head_major", 1, False),
+    ("head_major", 2, True), ("position_major", 2, True), ("position_major", 3, True), ("head_major", 1, True),
     ("unaligned_start", 2, False), ("halfword_start", 2, False), ("odd_head_stride", 2, True)])
 def test_mse_slots_decode_takes_the_mma_kernel_through_its_ring(build_module, monkeypatch, preset, kind, stages,
                                                                 expect_mma):
     """MSE keys in slots: the Gluon kernel copies the 32-bit words that hold each 2-byte aligned field, through its
-    ring only, so it takes caches whose first byte is 16-byte aligned and whose block stride is a multiple of 4
-    (even position and head strides: fields start at byte 0 or 2 of a word), with at least 2 stages (1 where the
-    pending kernel slots_one_stage renders: its words then loaded where used); its
+    ring (in launches of one stage, loaded where used), so it takes caches whose first byte is 16-byte aligned
+    and whose block stride is a multiple of 4 (even position and head strides: fields start at byte 0 or 2 of a
+    word); its
     HEAD_STRIDE_PHASE is the head stride % 4, 0 where every page starts at a word (vLLM's head-major cache), in
     decode's launch, in decode_multi's and in the launch of the kernel that merges its own splits."""
     config = mma_config(preset, cache_layout="slots")
     module = build_module(config)
     device = "cuda" if HAS_CUDA else "cpu"
-    if stages < 2:  # the ring only, unless the pending kernel slots_one_stage renders (MMA_MIN_STAGES 1)
-        expect_mma = stages >= module.MMA_MIN_STAGES
     mma, dot = _record_stage1(module, monkeypatch, expect_mma)
     if kind == "halfword_start":  # every slot 2 bytes into a word
         flat = torch.zeros(8 * module.PAGE_SIZE * 2 * module.SLOT_BYTES + 2, dtype=torch.uint8, device=device)
@@ -543,10 +535,10 @@ def test_small_pages_take_the_mma_kernel_where_its_ring_tracks_them(build_module
     """The Gluon stage 1's ring keeps one bit per page of each ring slot's tile in a 32-bit word, so a launch whose
     pages per tile (block_kv // min(block_kv, page)) times stages pass 32 takes the tl.dot kernel (decoding them
     on the Gluon kernel lost the pages of the second ring slot: every other tile masked), in decode and in
-    decode_multi; the slots of MSE keys take the Gluon kernel with a ring only."""
+    decode_multi. Launches of one stage have no ring: they take the Gluon kernel at every page size."""
     config = mma_config(preset, cache_layout="slots", block_size=page)
     module = build_module(config)
-    expect_mma = ring_fits and stages >= module.MMA_MIN_STAGES
+    expect_mma = ring_fits
     assert module._mma_ring_fits(block_kv, stages) == ring_fits
     device = "cuda" if HAS_CUDA else "cpu"
     mma, dot = _record_stage1(module, monkeypatch, expect_mma)
@@ -904,7 +896,7 @@ MSE_SLOTS_MMA_CASES = [  # (preset, page, block_kv, group_size, num_splits, num_
     ("k3v3", 64, 32, 8, 16, 2, True, True), ("k3v3", 16, 32, 1, 1, 2, False, True),
     # small pages, the ring's page bits at their limit: 16 pages x 2 slots, 8 x 3
     ("k3v4", 2, 32, 4, 3, 2, True, True), ("k4v4", 4, 32, 4, 3, 3, False, True), ("k3v3", 2, 32, 4, 3, 2, False, True),
-    # launches of one stage (the pending kernel slots_one_stage; skipped where the module takes the ring only)
+    # launches of one stage, the words loaded where used
     *[(preset, 16, block_kv, 4, 3, 1, head_major, True) for preset in ("k3v4", "k4v4", "k3v3") for block_kv in (32, 64)
       for head_major in (True, False)],
     *[(preset, page, block_kv, group_size, num_splits, 1, True, True) for preset in ("k3v4", "k3v3")
@@ -924,8 +916,6 @@ def test_mse_slots_mma_decode_matches_reference(build_module, monkeypatch, prese
     (head-major) or position-major: ragged lengths around tile and page bounds (and 0)."""
     config = mma_config(preset, block_size=page, cache_layout="slots", norm_correction=norm_correction)
     module = build_module(config)
-    if num_stages < module.MMA_MIN_STAGES:
-        pytest.skip("launches of one stage take the tl.dot kernel (TQGEN_PENDING_KERNELS=slots_one_stage: the Gluon)")
     spy = _spy(module, monkeypatch)
     check_decode(module, config, "cuda", MANY_LENS, group_size=group_size, block_kv=block_kv, num_splits=num_splits,
                  num_warps=1, num_stages=num_stages, position_major=not head_major)
@@ -942,7 +932,7 @@ HALFWORD_SLOTS_64_256_CASES = [  # (preset, head_dim, page, block_kv, group_size
       for group_size in (1, 6, 8, 16) for num_splits in (1, 16)],
     ("k4v4", 64, 64, 32, 4, 3, 2, True, False), ("k3v4", 256, 128, 64, 4, 3, 2, False, False),
     ("k3v4", 256, 2, 32, 4, 3, 2, True, True), ("k4v4", 64, 4, 32, 4, 3, 3, False, True),
-    # launches of one stage (the pending kernel slots_one_stage; skipped where the module takes the ring only)
+    # launches of one stage, the words loaded where used
     *[(preset, head_dim, 16, block_kv, 4, 3, 1, head_major, True)
       for preset, head_dim in (("k4v4", 64), ("k3v4", 256)) for block_kv, head_major in ((32, True), (64, False))],
 ]
@@ -959,8 +949,6 @@ def test_halfword_slots_at_head_dims_64_and_256_match_reference(build_module, mo
     tokens against reference.decode_multi."""
     config = mma_config(preset, head_dim, block_size=page, cache_layout="slots", norm_correction=norm_correction)
     module = build_module(config)
-    if num_stages < module.MMA_MIN_STAGES:
-        pytest.skip("launches of one stage take the tl.dot kernel (TQGEN_PENDING_KERNELS=slots_one_stage: the Gluon)")
     spy = _spy(module, monkeypatch)
     check_decode(module, config, "cuda", MANY_LENS, group_size=group_size, block_kv=block_kv, num_splits=num_splits,
                  num_warps=1, num_stages=num_stages, position_major=not head_major)
@@ -1071,8 +1059,8 @@ def test_mma_and_dot_kernels_agree(build_module, monkeypatch, preset, block_kv, 
 
 
 @pytest.mark.parametrize("preset,num_stages", [
-    *[(preset, stages) for preset in ("k3v4", "k3v3", "k8v4", "k8v4-slots") for stages in (1, 2, 3)],
-    *[(preset, stages) for preset in ("k3v4-slots", "k4v4-slots", "k3v3-slots") for stages in (2, 3)]])  # ring only
+    *[(preset, stages) for preset in ("k3v4", "k3v3", "k8v4", "k8v4-slots", "k3v4-slots", "k4v4-slots", "k3v3-slots")
+      for stages in (1, 2, 3)]])
 @gpu_test
 def test_mma_decode_masks_block_ids_outside_the_cache(build_module, monkeypatch, preset, num_stages):
     """With validate=False, pages whose block id is outside the cache are masked (their tokens read

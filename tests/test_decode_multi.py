@@ -544,11 +544,8 @@ def test_the_lean_softmax_is_decode_multis_kernel_only(stem):
 def test_the_gluon_multi_token_kernel_on_the_gpu(build_module, monkeypatch, preset, q_len, group_size, block_kv,
                                                  num_stages):
     """The Gluon kernel runs (a spy says so) and matches the reference: ragged sequences whose causal limits
-    fall at 1, below a page boundary and past several splits, at every tile size and ring depth (MSE keys in
-    slots: the ring only)."""
+    fall at 1, below a page boundary and past several splits, at every tile size and ring depth (1: no ring)."""
     preset, _, layout = preset.partition("-")
-    if layout == "slots" and num_stages == 1:
-        pytest.skip("MSE keys in slots take the Gluon kernel through its ring only")
     config = make_config(preset, cache_layout=layout or "planes")
     module = build_module(config)
     spy = KernelRecorder(module.tq_decode_multi_stage1_mma)  # (8, 4), (3, 8): two programs per sequence
@@ -594,8 +591,6 @@ def test_the_gluon_multi_token_kernel_masks_pages_outside_the_cache(build_module
     masked in a tile that every query token would otherwise see whole (where the kernel skips the token masks),
     and block 0, which such a page reads, holds NaN fields that must not leak into the output."""
     preset, _, layout = preset.partition("-")
-    if layout == "slots" and preset != "k8v4" and num_stages == 1:
-        pytest.skip("MSE keys in slots take the Gluon kernel through its ring only")
     config = make_config(preset, cache_layout=layout or "planes")
     module = build_module(config)
     spy = KernelRecorder(module.tq_decode_multi_stage1_mma)

@@ -769,24 +769,27 @@ def _timing_tables(planes):
             yield path.stem, bucket_bounds(key), entry
 
 
-def _heuristic_ratios(module, tables, rule=None):
+def _heuristic_ratios(module, tables, rule=None, rotate_query=None):
     """Each table's time of the launch `rule` (default: the module's heuristic_launch) picks for its bucket,
     over the bucket's best."""
-    ratios = _ratios_by_bucket(module, tables, rule)
+    ratios = _ratios_by_bucket(module, tables, rule, rotate_query)
     unmeasured = [f"{name} {bounds}" for (name, bounds, _), ratio in zip(tables, ratios) if ratio is None]
     assert not unmeasured, f"{unmeasured}: the rule's launch was not measured"
     return ratios
 
 
-def _ratios_by_bucket(module, tables, rule=None):
+def _ratios_by_bucket(module, tables, rule=None, rotate_query=None):
     """Per table entry, the time of the launch `rule` picks over the bucket's best (None where that launch was not
-    timed)."""
+    timed), the query rotated as query_rotated_in_stage1 decides for an untuned call on this machine (no GPU: the
+    tl.dot kernel's rule), or as `rotate_query` says."""
     rule = rule or module.heuristic_launch
     ratios = []
     for name, bounds, entry in tables:
         launch = rule(bounds["batch"][1], 8, bounds["context"][1], 132)
         launch = dict(zip(tuned_files.LAUNCH_FIELDS, launch))
-        if any(name.endswith(("_rq", "_pq")) for name in entry["timings_us"]):  # timed both ways: the batch rule's
+        if rotate_query is not None:
+            launch[tuned_files.ROTATE_FIELD] = rotate_query
+        elif any(name.endswith(("_rq", "_pq")) for name in entry["timings_us"]):  # timed both ways: the batch rule's
             launch[tuned_files.ROTATE_FIELD] = module.query_rotated_in_stage1(
                 bounds["batch"][1], bounds["group_size"], bounds["context"][1], torch.device("cuda", 0), tuned=False)
         candidate = tuned_files.candidate_id(launch)
@@ -812,11 +815,49 @@ def test_heuristic_is_close_to_the_measured_best_on_the_h200(setup, tmp_path):
     tables = list(_timing_tables(planes=False))
     # The Gluon kernel's (one rule at every head dim it takes: the d64 and d256 files too); the tl.dot kernel's d96.
     gluon_mse = ("tq_kmse3_v4_d128_", "tq_kmse4_v4_d128_", "tq_kmse3_v3_d128_", "tq_kmse4_v4_d64_", "tq_kmse3_v4_d256_")
+    # These tables timed the MSE slots launches of one stage on the tl.dot kernel (before 2026-12-07): their rule is
+    # priced here with the ring it then took at every shape, its stage rule on the H100 tables (the test below).
     ratios = (_heuristic_ratios(fp8_module, [t for t in tables if t[0].startswith("tq_kfp8_")])
-              + _heuristic_ratios(gluon_mse_module, [t for t in tables if t[0].startswith(gluon_mse)])
+              + _heuristic_ratios(gluon_mse_module, [t for t in tables if t[0].startswith(gluon_mse)],
+                                  _in_the_ring(gluon_mse_module))
               + _heuristic_ratios(mse_module, [t for t in tables if not t[0].startswith(("tq_kfp8_", *gluon_mse))]))
     assert len(ratios) >= 76
     assert _geomean(ratios) < 1.03 and max(ratios) < 1.15
+
+
+def _in_the_ring(module):
+    """The module's heuristic_launch with the ring of 2 at every shape."""
+    def rule(batch, num_kv_heads, context, sm_count):
+        block_kv, num_warps, _, num_splits = module.heuristic_launch(batch, num_kv_heads, context, sm_count)
+        return block_kv, num_warps, 2, num_splits
+    return rule
+
+
+def test_the_mse_slots_heuristic_loads_short_splits_where_used(tmp_path):
+    """The Gluon stage 1 on slots with MSE keys: up to 8 sequences, a split of at most 8 tiles loads its words
+    where used (1 stage), else the ring of 2. Priced on the committed H100 files' buckets of batch 1-8 (their tunes
+    of 2026-12-07 timed every launch there, one stage on the Gluon kernel): closer to each bucket's best than the
+    ring at every shape, in every file. A 16-bit query, rotated in stage 1 on this kernel (the only rotation those
+    tunes timed at head_dim 128)."""
+    module = emit.load(make_config("k3v4"), tmp_path)  # the rule of every head dim the Gluon kernel takes
+    assert module.heuristic_launch(1, 8, 4096, 132)[2] == 1 and module.heuristic_launch(1, 8, 65536, 132)[2] == 2
+    assert module.heuristic_launch(32, 8, 1024, 132)[2] == 2  # above 8 sequences the ring
+    stems = ["tq_kmse3_v4_d128_p16_nc_hadamard_sm90", "tq_kmse4_v4_d128_p16_nc_hadamard_sm90",
+             "tq_kmse3_v3_d128_p16_nc_hadamard_sm90", "tq_kmse4_v4_d64_p16_nc_hadamard_sm90",
+             "tq_kmse3_v4_d256_p16_nc_hadamard_sm90"]
+    everywhere = []
+    for stem in stems:
+        document = json.loads((REPO / "tuned" / "NVIDIA_H100_80GB_HBM3" / f"{stem}.json").read_text())
+        buckets = ((bucket_bounds(key), entry) for key, entry in document["buckets"].items())
+        tables = [(stem, bounds, entry) for bounds, entry in buckets if bounds["batch"][1] <= 8]
+        assert len(tables) >= 4, stem
+        rotate = True if "_d128_" in stem else None  # head_dim 64 and 256: stage 1 does not rotate
+        ratios = _heuristic_ratios(module, tables, rotate_query=rotate)
+        in_the_ring = _heuristic_ratios(module, tables, _in_the_ring(module), rotate_query=rotate)
+        assert _geomean(ratios) < min(1.06, _geomean(in_the_ring)), stem
+        assert max(ratios) < 1.2, stem
+        everywhere += ratios
+    assert _geomean(everywhere) < 1.03
 
 
 def test_the_split_rule_fit_costs_the_shipped_slots_mse_rule(tmp_path):

@@ -113,8 +113,6 @@ def specializations(module):
         for block_kv in (32, 64):
             for group_size, dependent, stages in ((4, False, 1), (1, True, 1), (8, False, 1), (16, False, 1),
                                                   (4, False, 2), (4, False, 3), (1, True, 2)):
-                if stages < module.MMA_MIN_STAGES:  # slots with MSE keys: the ring only
-                    continue
                 constants = module._mma_stage1_constants(block_kv, group_size, dependent, stages)
                 if "TOKEN_STRIDE" in module.tq_decode_stage1_mma.arg_names:  # slots: the head-major cache of vLLM
                     constants = dict(constants, **_head_major_view(module))
@@ -136,8 +134,6 @@ def specializations(module):
                           constants, warps, stages, ASTSource, {}))
     if "tq_decode_stage1_mma_merged" in names:
         for block_kv, group_size, stages in ((32, 4, 1), (32, 4, 2), (64, 1, 2), (32, 8, 1), (32, 16, 2)):
-            if stages < module.MMA_MIN_STAGES:
-                continue
             keywords = dict(module._mma_stage1_keywords(block_kv, group_size, True, stages, False, block_splits=64))
             if "TOKEN_STRIDE" in module.tq_decode_stage1_mma_merged.arg_names:
                 keywords.update(_head_major_view(module))

@@ -384,8 +384,6 @@ def main() -> None:
     elif args.mma:
         if not hasattr(module, "tq_decode_stage1_mma"):
             raise SystemExit(f"--mma: {args.config} has no Gluon stage 1 (Plan.mma_stage1)")
-        if args.stages < module.MMA_MIN_STAGES:
-            raise SystemExit(f"--mma: {args.config}'s Gluon stage 1 takes --stages {module.MMA_MIN_STAGES} or more")
         if args.q_len > 1:
             compiled = compile_multi_stage1_mma(module, args.block_kv, args.group_size, args.q_len,
                                                 stages=args.stages, head_major=not args.position_major,

@@ -45,24 +45,24 @@ for path in paths:
     query = torch.randn(5, 12, config.head_dim, device="cuda", dtype=torch.float16)  # group size 3
     for num_splits in (1, 4):
         module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=num_splits, **kwargs)
-    # The Gluon stage 1's cp.async ring (planes, and slots): every depth the tuner may pick, both tile sizes, one
-    # warp; in slots also on a position-major copy of the cache (make_cache's is head-major: the position stride
-    # differs).
+    # The Gluon stage 1 without a ring and with its cp.async ring (planes, and slots): every depth the tuner may
+    # pick, both tile sizes, one warp; in slots also on a position-major copy of the cache (make_cache's is
+    # head-major: the position stride differs).
     gluon = hasattr(module, "tq_decode_stage1_mma")
-    ring = [(block_kv, stages) for block_kv in (32, 64) for stages in (2, 3)] if gluon else []
+    gluon_launches = [(block_kv, stages) for block_kv in (32, 64) for stages in (1, 2, 3)] if gluon else []
     caches = [cache]
-    if ring and config.cache_layout == "slots":
+    if gluon_launches and config.cache_layout == "slots":
         caches.append(as_position_major(cache))
-    for ring_cache in caches:
-        for block_kv, stages in ring:
-            module.decode(query, ring_cache, batch.block_table, batch.seq_lens, num_splits=3, block_kv=block_kv,
+    for gluon_cache in caches:
+        for block_kv, stages in gluon_launches:
+            module.decode(query, gluon_cache, batch.block_table, batch.seq_lens, num_splits=3, block_kv=block_kv,
                           num_warps=1, num_stages=stages, **kwargs)
-    # Stage 1 merging its own splits, on the tl.dot kernel (2 warps) and, where it exists, the Gluon one (one warp;
-    # MSE keys in slots through the ring only), with a workspace whose counters every call must leave at zero.
+    # Stage 1 merging its own splits, on the tl.dot kernel (2 warps) and, where it exists, the Gluon one (one warp,
+    # without a ring and with one), with a workspace whose counters every call must leave at zero.
     merge_workspace = module.DecodeWorkspace(5, 12, 8, "cuda")
     merge_launches = [dict(block_kv=64, num_warps=2, num_stages=1)]
     if gluon:
-        merge_launches += [dict(block_kv=32, num_warps=1, num_stages=stages) for stages in {module.MMA_MIN_STAGES, 2}]
+        merge_launches += [dict(block_kv=32, num_warps=1, num_stages=stages) for stages in (1, 2)]
     for launch in merge_launches:
         for num_splits in (1, 5):
             module.decode(query, cache, batch.block_table, batch.seq_lens, num_splits=num_splits,
@@ -89,5 +89,5 @@ for path in paths:
         module.dequantize(cache, batch.block_table, batch.seq_lens, rotated_keys=True, **kwargs)
     torch.cuda.synchronize()
     print(f"{path}: store{' (both key kernels)' if hasattr(module, 'tq_store_keys_mma') else ''}, decode (1 and 4 "
-          f"splits{', the ring' if ring else ''}; stage 1 merging), decode_multi, decode_ragged, dequantize ran",
-          flush=True)
+          f"splits{', the Gluon stage 1 with and without its ring' if gluon_launches else ''}; stage 1 merging), "
+          "decode_multi, decode_ragged, dequantize ran", flush=True)

@@ -57,12 +57,7 @@ MAX_NUM_WARPS = 32
 # "Kernels waiting for a re-tune"), so that they are kept and tested meanwhile. Every module renders without them
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
-PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
-    "slots_one_stage": "the Gluon stage 1 on slots with MSE keys (Plan.mma_halfword_slots) takes launches of one "
-                       "stage: each field's words loaded where used, as the ring copies them (its GPU tests passed "
-                       "on an H100, 2026-12-07; waits for the re-tune of those slots files, whose decode hash it "
-                       "changes)",
-}
+PENDING_KERNELS: dict[str, str] = {}  # name -> what it changes (docs/tuning.md); none pending now
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
 # files spell them) render it without TQGEN_PENDING_KERNELS. Landing its last format removes its entries here and
@@ -349,15 +344,6 @@ class Plan:
         run, 2026-12-07, docs/kernels.md)."""
         return (self.store_gluon and not self.planes and self.layout.value_bits == 4
                 and self.layout.head_dim >= 128)
-
-    @property
-    def halfword_slots_one_stage(self) -> bool:
-        """Whether the Gluon stage 1 on slots with MSE keys (mma_halfword_slots) runs launches of one stage, each
-        field's words loaded where they are used (the words its ring copies, in the layouts it reads them in),
-        where the tl.dot kernel took them: the pending kernel `slots_one_stage`. At batch 1-8 the planes and
-        slots k8v4 kernels' best launches are of one stage, and slots MSE lose to fp16 SDPA at 2 x 4096 and
-        8 x 1024 on their ring of 2 (BENCHMARKS.md)."""
-        return self.mma_halfword_slots and self.renders("slots_one_stage")
 
     @staticmethod
     def halfword_run_stores(run_bytes: int) -> list[tuple[int, int | None, int | None]]:
