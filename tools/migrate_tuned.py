@@ -17,7 +17,7 @@ the same and records it in each file:
    schema, kernel hash and template hash, with `migrated` saying from which hash and commit,
    why, and on what evidence (and which decode kernels this tree adds: they were never timed, so
    no tuned bucket picks them until a re-tune). Timings and buckets are untouched; anything else
-   is refused.
+   is refused. A file whose config's decode hash the change left as it was is left as it is.
 
 Runs on the CPU; takes a few minutes per config (offline compiles).
 """
@@ -116,11 +116,14 @@ def main() -> int:
                       f"not {args.from_commit}'s {old_hash[:12]}")
                 refused += 1
                 continue
+            new_hash = render.decode_kernel_hash(config)
+            if new_hash == old_hash:  # the change left this config's decode path as it was: nothing to carry
+                print(f"{tuned_path}: current (kernel_hash {old_hash[:12]} unchanged), left as it is")
+                continue
             if differing or not decode:
                 print(f"{tuned_path}: refused: decode kernels differ from {args.from_commit}: {differing}")
                 refused += 1
                 continue
-            new_hash = render.decode_kernel_hash(config)
             metadata.update(
                 schema_version=tuned_files.SCHEMA_VERSION, kernel_hash=new_hash, template_hash=render.template_hash(),
                 tqgen_version=__version__,
