@@ -537,10 +537,9 @@ def test_small_pages_take_the_mma_kernel_where_its_ring_tracks_them(build_module
     decode_multi. Launches of one stage have no ring: they take the Gluon kernel at every page size."""
     config = mma_config(preset, cache_layout="slots", block_size=page)
     module = build_module(config)
-    expect_mma = ring_fits
     assert module._mma_ring_fits(block_kv, stages) == ring_fits
     device = "cuda" if HAS_CUDA else "cpu"
-    mma, dot = _record_stage1(module, monkeypatch, expect_mma)
+    mma, dot = _record_stage1(module, monkeypatch, ring_fits)
     blocks_per_seq = 64 // page
     cache = module.make_cache(2 * blocks_per_seq, 2, device)
     table = torch.arange(2 * blocks_per_seq, dtype=torch.int32, device=device).view(2, blocks_per_seq)
@@ -548,14 +547,14 @@ def test_small_pages_take_the_mma_kernel_where_its_ring_tracks_them(build_module
                                                                                                    device))
     module.decode(torch.randn(2, 8, 128, device=device), cache, table,
                   torch.tensor([40, 64], dtype=torch.int32, device=device), **launch)
-    assert (len(mma.launches), len(dot.launches)) == ((1, 0) if expect_mma else (0, 1))
+    assert (len(mma.launches), len(dot.launches)) == ((1, 0) if ring_fits else (0, 1))
     multi_mma = KernelRecorder()
     monkeypatch.setattr(module, "tq_decode_multi_stage1_mma", multi_mma)
     monkeypatch.setattr(module, "tq_decode_multi_stage1", KernelRecorder())
     monkeypatch.setattr(module, "tq_decode_stage2", KernelRecorder())  # nothing to merge: stage 1 was recorded
     module.decode_multi(torch.randn(2, 2, 8, 128, device=device), cache, table,
                         torch.tensor([40, 64], dtype=torch.int32, device=device), **launch)
-    assert len(multi_mma.launches) == int(expect_mma)
+    assert len(multi_mma.launches) == int(ring_fits)
 
 
 @pytest.mark.parametrize("page,stages", [(1, 1), (2, 2), (16, 2)])
