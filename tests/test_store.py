@@ -756,17 +756,9 @@ def test_the_gluon_store_renders_for_hadamard_mse_keys(fields, expected):
     fields = dict(fields)
     preset, head_dim = fields.pop("preset"), fields.pop("head_dim", 128)
     config = make_config(preset, head_dim=head_dim, **fields)
-    plan = Plan.from_config(config, pending=frozenset())
-    assert plan.store_gluon is expected and not plan.store_gluon_staged
+    plan = Plan.from_config(config)
+    assert plan.store_gluon is expected
     assert plan.store_gluon_words == (expected and not plan.planes and plan.layout.value_bits == 4 and head_dim >= 128)
-    assert plan.store_gluon_cache_phase == plan.store_gluon_words
-    # The pending kernel slots_store_words: the whole slot as words where keys and values are 4 bits.
-    plan = Plan.from_config(config, pending=frozenset({"slots_store_words"}))
-    staged = expected and not plan.planes and plan.layout.key_bits == plan.layout.value_bits == 4
-    assert plan.store_gluon_staged == staged
-    assert plan.store_gluon_words == (expected and not plan.planes and plan.layout.value_bits == 4 and head_dim >= 128
-                                      and not staged)
-    assert plan.store_gluon_cache_phase == (plan.store_gluon_words or staged)
     from tqgen import render
     source = render.render(config)
     assert ("def tq_store_gluon(" in source) is expected and ("STORE_GLUON = " in source) is expected
@@ -822,41 +814,29 @@ for name in sys.argv[1:]:
 """
 
 
-@pytest.mark.parametrize("pending", ["", "slots_store_words"])
-def test_the_gluon_slots_store_compiles_for_sm90(pending):
-    """tq_store_gluon of the MSE configs that have it, both searches, compiled offline for sm90 (this triton), as
-    shipped and with the pending kernel slots_store_words (its k4v4 configs): the
-    transform's 3 head_dim / 8 shuffles of a lane (3 stages over lanes) and the reductions', no local memory; in
-    planes one store per 32-bit word of codes (or group pair's high bytes), norm and scale-and-zero record; in slots
-    with 4-bit keys and values (Plan.store_gluon_staged) a word store per 32 words of a program's slots and a half
-    per token, the slot's halves gathered (through shared memory or shuffles, as this triton lowers it); in slots
-    with 3-bit keys and 4-bit values at head_dim >= 128 (Plan.store_gluon_words) the words and halves
-    Plan.halfword_run_stores gives each lane's runs of codes (pairs of 8-code groups) and the scale and zero, and the
-    norm's half; in the other slots one store per 16 bits of a lane's codes and per fp16 field. Only the staged
-    store moves values between lanes but by shuffles of the transform and reductions."""
+def test_the_gluon_slots_store_compiles_for_sm90():
+    """tq_store_gluon of the MSE configs that have it, both searches, compiled offline for sm90 (this triton): the
+    transform's 3 head_dim / 8 shuffles of a lane (3 stages over lanes) and the reductions', no shared or local
+    memory (no value changes lanes through memory); in planes one store per 32-bit word of codes (or group pair's
+    high bytes), norm and scale-and-zero record; in slots with 4-bit values at head_dim >= 128
+    (Plan.store_gluon_words) the words and halves Plan.halfword_run_stores gives each lane's runs of codes (pairs
+    of 8-code groups) and the scale and zero, and the norm's half; in the other slots one store per 16 bits of a
+    lane's codes and per fp16 field."""
     pytest.importorskip("triton.experimental.gluon")
     names = ["k3v4-d128", "k4v4-d128", "k3v3-d128", "k4v4-d64", "k3v4-d256", "k3v4-d128-planes", "k4v4-d128-planes",
              "k3v3-d128-planes"]
-    if pending:
-        names = [name for name in names if name.startswith("k4v4") and not name.endswith("planes")]
-    reports = offline_compile_reports("-c", _STORE_GLUON_COMPILE, *names,
-                                      environment=dict(TQGEN_PENDING_KERNELS=pending))
+    reports = offline_compile_reports("-c", _STORE_GLUON_COMPILE, *names)
     assert [(report["name"], report["symmetric"]) for report in reports] == [
         (name, symmetric) for name in names for symmetric in (True, False)]
     for report in reports:
         key_bits, value_bits = (4, 4) if report["name"].startswith("k4v4") else (3, int(report["name"][3]))
         head_dim = int(report["name"].split("-")[1][1:])
+        assert report["shuffles"] >= 3 * head_dim // 8 and report["shared"] == 0 and report["local"] == 0, report
+        assert report["gathers"] == 0, report
         config = config_mod.resolve_arch(config_mod.load(REPO / f"configs/{report['name']}.yaml"), (9, 0))
-        plan = Plan.from_config(config, pending=frozenset([pending] if pending else []))
-        assert plan.store_gluon_staged is bool(pending), report
-        assert report["shuffles"] >= 3 * head_dim // 8 and report["local"] == 0, report
-        # Only the staged slots gather (through shared memory or shuffles: the compiler's choice, by version).
-        assert (report["shared"] + report["gathers"] > 0) is plan.store_gluon_staged, report
-        if plan.store_gluon_staged:  # 4 tokens a program (STORE_GLUON_TOKENS)
-            assert (report["words"], report["halves"]) == (4 * plan.store_gluon_staged_words // 32, 4), report
-        elif report["name"].endswith("planes"):  # 32-bit words (and split codes' high bytes), scale and zero in one
+        if report["name"].endswith("planes"):  # 32-bit words (and split codes' high bytes), scale and zero in one
             assert report["stores"] == 6, report
-        elif plan.store_gluon_words:
+        elif Plan.from_config(config).store_gluon_words:
             pairs = head_dim // 128
             runs = [2 * key_bits] * pairs + [2 * value_bits] * pairs + [4]
             stores = [bits for run in runs for bits, _, _ in Plan.halfword_run_stores(run)]
@@ -864,20 +844,6 @@ def test_the_gluon_slots_store_compiles_for_sm90(pending):
         else:  # a lane's head_dim / 8 codes of a field in 16-bit words, and the three fp16 fields
             assert report["stores"] == report["halves"] == (key_bits + value_bits) * head_dim // 128 + 3, report
         assert "stack" not in report["usage"] or "0 bytes cumulative stack" in report["usage"], report
-
-
-@pytest.mark.parametrize("head_dim,slot_bytes,words", [(64, 70, 32), (128, 134, 64), (256, 262, 128)])
-def test_the_staged_slots_store_reads_a_power_of_two_of_words_that_covers_the_slot(head_dim, slot_bytes, words):
-    """Plan.store_gluon_staged_words for k4v4 (slots of 2 mod 4 bytes): the fewest words, a power of two, that hold
-    the slot from either start in a word (its bytes and the 2 before it); a slot of another size is refused."""
-    plan = Plan.from_config(make_config("k4v4", head_dim=head_dim), pending=frozenset({"slots_store_words"}))
-    assert plan.store_gluon_staged and plan.layout.slot_bytes == slot_bytes
-    assert plan.store_gluon_staged_words == words and 4 * words >= slot_bytes + 2 > 2 * words
-    layout = plan.layout
-    # Its first halfword is a key code's and its last the zero's: the halves _store_gluon_slot writes alone.
-    assert layout.key_code_offset == 0 and layout.value_zero_offset == slot_bytes - 2
-    with pytest.raises(ValueError, match="2 mod 4 bytes, got 196"):  # k8v4's slot
-        Plan.from_config(make_config("k8v4")).store_gluon_staged_words
 
 
 @pytest.mark.parametrize("run_bytes", [2, 4, 6, 8, 12, 16])

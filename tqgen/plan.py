@@ -57,11 +57,7 @@ MAX_NUM_WARPS = 32
 # "Kernels waiting for a re-tune"), so that they are kept and tested meanwhile. Every module renders without them
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
-PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
-    "slots_store_words": "tq_store_gluon of 4-bit keys and values in slots writes each token's slot as whole 32-bit "
-                         "words (Plan.store_gluon_staged); no decode kernel changes: it waits for a GPU run, not a "
-                         "re-tune",
-}
+PENDING_KERNELS: dict[str, str] = {}  # name -> what it changes (docs/tuning.md); none pending now
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
 # files spell them) render it without TQGEN_PENDING_KERNELS. Landing its last format removes its entries here and
@@ -345,36 +341,9 @@ class Plan:
         stores instead of 4. Where the values are 4 bits and a lane holds at least 16 of them (head_dim >= 128): at
         65536 tokens k3v4 165.7 -> 154.2 us, k4v4 166.3 -> 162.1, k3v4-d256 335.9 -> 306.5; not k3v3 (3-bit values,
         6-byte runs: 145.8 -> 148.7) nor k4v4-d64 (4-byte runs: 90.6 -> 90.0, 4096 tokens 6.8 -> 7.0) (H100, one
-        run, 2026-12-07, docs/kernels.md). Not where the whole slot is staged (store_gluon_staged)."""
+        run, 2026-12-07, docs/kernels.md)."""
         return (self.store_gluon and not self.planes and self.layout.value_bits == 4
-                and self.layout.head_dim >= 128 and not self.store_gluon_staged)
-
-    @property
-    def store_gluon_cache_phase(self) -> bool:
-        """Whether tq_store_gluon takes the cache's address % 4 (cache_phase): where its word stores start."""
-        return self.store_gluon_words or self.store_gluon_staged
-
-    @property
-    def store_gluon_staged(self) -> bool:
-        """Whether tq_store_gluon (slots with 4-bit keys and values: k4v4 at head_dim 64, 128 and 256) stages each
-        token's slot in shared memory and writes it as the 32-bit words that cover it, a store instruction a token's
-        128 consecutive bytes, and a 16-bit half at the end that is not word aligned (a slot of these formats is
-        2 mod 4 bytes: store_gluon_staged_words), instead of each lane writing its runs of each field. Every field
-        of these formats is a whole number of 16-bit words a lane, so it goes to shared memory as one tensor.
-        The slots store is bound by the L2's requests (docs/kernels.md): a lane's run of a field, written in 2-3
-        pieces, touches the field's sectors once a piece; the staged slot touches each sector about once."""
-        layout = self.layout
-        return (self.store_gluon and not layout.planes and layout.key_bits == 4 and layout.value_bits == 4
-                and self.renders("slots_store_words"))
-
-    @property
-    def store_gluon_staged_words(self) -> int:
-        """The 32-bit words a token's row of tq_store_gluon's staging buffer is read as (store_gluon_staged): a
-        power of two that covers the slot from either place it can start in a word (at one, or 2 bytes in)."""
-        slot_bytes = self.layout.slot_bytes
-        if slot_bytes % 4 != 2:
-            raise ValueError(f"the staged slots store writes slots of 2 mod 4 bytes, got {slot_bytes}")
-        return next_power_of_two((slot_bytes + 2) // 4)
+                and self.layout.head_dim >= 128)
 
     @staticmethod
     def halfword_run_stores(run_bytes: int) -> list[tuple[int, int | None, int | None]]:
