@@ -483,14 +483,13 @@ def test_slots_decode_takes_the_mma_kernel_where_its_copies_stay_aligned(build_m
 @pytest.mark.parametrize("kind,stages,expect_mma", [
     ("head_major", 2, True), ("position_major", 2, True), ("position_major", 3, True), ("head_major", 1, True),
     ("unaligned_start", 2, False), ("halfword_start", 2, False), ("odd_head_stride", 2, True)])
-def test_mse_slots_decode_takes_the_mma_kernel_through_its_ring(build_module, monkeypatch, preset, kind, stages,
-                                                                expect_mma):
-    """MSE keys in slots: the Gluon kernel copies the 32-bit words that hold each 2-byte aligned field, through its
+def test_mse_slots_decode_takes_the_mma_kernel_where_its_words_stay_aligned(build_module, monkeypatch, preset, kind,
+                                                                            stages, expect_mma):
+    """MSE keys in slots: the Gluon kernel reads the 32-bit words that hold each 2-byte aligned field, through its
     ring (in launches of one stage, loaded where used), so it takes caches whose first byte is 16-byte aligned
     and whose block stride is a multiple of 4 (even position and head strides: fields start at byte 0 or 2 of a
-    word); its
-    HEAD_STRIDE_PHASE is the head stride % 4, 0 where every page starts at a word (vLLM's head-major cache), in
-    decode's launch, in decode_multi's and in the launch of the kernel that merges its own splits."""
+    word); its HEAD_STRIDE_PHASE is the head stride % 4, 0 where every page starts at a word (vLLM's head-major
+    cache), in decode's launch, in decode_multi's and in the launch of the kernel that merges its own splits."""
     config = mma_config(preset, cache_layout="slots")
     module = build_module(config)
     device = "cuda" if HAS_CUDA else "cpu"
