@@ -19,7 +19,8 @@
 # at q_len 1-8 against decode, tools/bench_decode_multi.py, before the benchmark; "host" the host time of eager
 # decode calls, tools/host_overhead.py, through triton's launch path and as shipped, into host.log; "merge" times
 # stage 1 merging its own splits beside stage 2 at batch 1-8 (tools/ab_modules.py --merge-in-stage1, into
-# merge.log; TQGEN_MERGE_CONFIGS, default k3v4 and k8v4 planes and k3v4 slots).
+# merge.log; TQGEN_MERGE_CONFIGS, default k3v4 and k8v4 planes and k3v4 slots); "pending" times the pending kernels
+# (plan.PENDING_KERNELS) beside the shipped ones, decode and decode_multi, into pending.log (TQGEN_AB_CONFIGS).
 # TQGEN_TEST_SHARD=i/n runs the i-th of every n GPU tests (tests/conftest.py). TQGEN_PENDING_KERNELS=all runs every
 # step on the kernels that wait for a re-tune (plan.PENDING_KERNELS): its tests, and its tune re-tunes the files they
 # make stale (docs/tuning.md).
@@ -28,7 +29,7 @@
 # replaces the bench's eight shipped head_dim-128 configs.
 # OUT_DIR gets these files, by step (the device tool returns no more than 8 from $OUT: every step at once writes 11):
 # pytest-gpu.log, failures.log, tune.log, tuned.tar, sanitize.log (memcheck then racecheck), multi.log, host.log,
-# merge.log, bench.log, bench.json, bench.png.
+# merge.log, pending.log, bench.log, bench.json, bench.png.
 set -u
 out=${1:-${OUT:-/tmp/tqgen-gpu}}
 steps=${TQGEN_GPU_STEPS:-tests sanitize bench}
@@ -151,6 +152,34 @@ if [[ $steps == *host* ]]; then
     { echo "TQGEN_FAST_LAUNCH=0"; TQGEN_FAST_LAUNCH=0 python3 tools/host_overhead.py --shapes 1x4096 8x4096; \
       echo "as shipped"; python3 tools/host_overhead.py --shapes 1x4096 8x4096; } > "$out/host.log" 2>&1
     rc=$?; grep -E '^\||^TQGEN|^as shipped' "$out/host.log"; echo "host overhead exit code: $rc"; (( rc )) && status=1
+fi
+if [[ $steps == *pending* ]]; then
+    # The pending kernels (plan.PENDING_KERNELS) against the shipped ones, before any re-tune: each config of
+    # TQGEN_AB_CONFIGS rendered without and with TQGEN_PENDING_KERNELS=all, then decode timed side by side at pinned
+    # launches (the pending module's tuned files are stale, so it would take the heuristic's) with
+    # tools/ab_modules.py, at batch 1-8 (the query rotated in stage 1) and at 8-32 x 8192, and decode_multi at q_len
+    # 1 and 4 with tools/bench_decode_multi.py (planes configs). Into pending.log.
+    ab_configs=${TQGEN_AB_CONFIGS:-configs/k3v4-d128-planes.yaml configs/k4v4-d128-planes.yaml configs/k3v4-d128.yaml}
+    for config in $ab_configs; do
+        modules=()
+        for pending in "" all; do  # each copied to a name that says which it is (ab_modules labels by file name)
+            built=$(TQGEN_PENDING_KERNELS=$pending python3 -c "import sys; from tqgen import emit
+print(emit.build(emit.as_config(sys.argv[1]), sys.argv[2]))" "$config" "$TQGEN_CACHE_DIR/pending-${pending:-none}")
+            module="$TQGEN_CACHE_DIR/${pending:+pending-}${pending:-shipped}-$(basename "$config" .yaml).py"
+            cp "$built" "$module" && modules+=("$module")
+        done
+        echo "$config: ${modules[*]}" >> "$out/pending.log"
+        python3 tools/ab_modules.py "$config" "${modules[@]}" --shapes 1x4096 2x4096 8x1024 \
+            --launches 32:1:64 32:2:64 32:2:16 --rotate-query stage1 >> "$out/pending.log" 2>&1
+        rc=$?; python3 tools/ab_modules.py "$config" "${modules[@]}" --shapes 32x8192 8x8192 \
+            --launches 32:2:4 32:2:16 >> "$out/pending.log" 2>&1
+        (( rc || $? )) && { status=1; echo "pending A/B $config failed"; }
+        if [[ $config == *planes* ]]; then
+            python3 tools/bench_decode_multi.py "$config:${modules[0]}" "$config:${modules[1]}" --shapes 32x8192 \
+                --q-lens 1 4 >> "$out/pending.log" 2>&1 || { status=1; echo "pending decode_multi $config failed"; }
+        fi
+    done
+    grep -E '^\||^configs' "$out/pending.log"
 fi
 if [[ $steps == *bench* ]]; then
     bench_args=${TQGEN_BENCH_ARGS:-}
