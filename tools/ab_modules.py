@@ -11,7 +11,7 @@ tuned or heuristic launch), as a whole call in CUDA-graph replay (median), with 
 the same run; outputs must agree with the first module's to fp16 rounding (the last column). Planes MSE
 modules choose where the query is rotated from their own tuned files unless --rotate-query pins it (stage1: in
 stage 1; prepare: tq_prepare_query first): a module whose tuned files are stale takes the heuristic's choice,
-so pin it when comparing such a module at batch <= 8. --merge-in-stage1 times each module twice, its splits merged
+so pin it when comparing such a module at batch <= 8; modules without that choice (fp8 keys) ignore it. --merge-in-stage1 times each module twice, its splits merged
 by stage 2 and then by stage 1 itself (decode's merge_in_stage1; one module: the two ways side by side). Prints one
 table: what a change to the kernels buys, before any re-tune (one module: its launches side by side).
 """
@@ -19,6 +19,7 @@ table: what a change to the kernels buys, before any re-tune (one module: its la
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 
@@ -78,9 +79,12 @@ def main() -> None:
                 # own default rotation (the very tensor), and takes another module's for a caller's matrix.
                 codebook = testing.codebook_kwargs(module, "cuda")
 
-                def call(module=module, out=out, codebook=codebook, merge=merge):
+                # Only modules with the choice take --rotate-query (fp8 keys are stored unrotated: no such keyword).
+                pinned = rotation if "rotate_query" in inspect.signature(module.decode).parameters else {}
+
+                def call(module=module, out=out, codebook=codebook, merge=merge, pinned=pinned):
                     module.decode(problem["query"], problem["cache"], problem["block_table"], problem["seq_lens"],
-                                  out=out, workspace=workspace, validate=False, **launch, **rotation, **merge,
+                                  out=out, workspace=workspace, validate=False, **launch, **pinned, **merge,
                                   **codebook)
                 call()
                 torch.cuda.synchronize()

@@ -31,6 +31,11 @@
 # pytest-gpu.log, failures.log, tune.log, tuned.tar, sanitize.log (memcheck then racecheck), multi.log, host.log,
 # merge.log, pending.log, bench.log, bench.json, bench.png.
 set -u
+# build_module CONFIG FOLDER: build CONFIG's module for this GPU into FOLDER and print its path.
+build_module() {
+    python3 -c "import sys; from tqgen import emit; print(emit.build(emit.as_config(sys.argv[1]), sys.argv[2]))" \
+        "$1" "$2"
+}
 out=${1:-${OUT:-/tmp/tqgen-gpu}}
 steps=${TQGEN_GPU_STEPS:-tests sanitize bench}
 mkdir -p "$out"
@@ -138,8 +143,7 @@ fi
 if [[ $steps == *merge* ]]; then
     for config in ${TQGEN_MERGE_CONFIGS:-configs/k3v4-d128-planes.yaml configs/k8v4-d128-planes.yaml \
                    configs/k3v4-d128.yaml}; do
-        module=$(python3 -c "import sys; from tqgen import emit; print(emit.build(emit.as_config(sys.argv[1]), sys.argv[2]))" \
-                 "$config" "$TQGEN_CACHE_DIR")
+        module=$(build_module "$config" "$TQGEN_CACHE_DIR")
         echo "$config" >> "$out/merge.log"
         python3 tools/ab_modules.py "$config" "$module" --merge-in-stage1 --launches 32:1:16 32:1:64 32:2:16 \
             --shapes 1x1024 1x4096 2x1024 4x1024 8x1024 1x16384 >> "$out/merge.log" 2>&1
@@ -163,17 +167,17 @@ if [[ $steps == *pending* ]]; then
     for config in $ab_configs; do
         modules=()
         for pending in "" all; do  # each copied to a name that says which it is (ab_modules labels by file name)
-            built=$(TQGEN_PENDING_KERNELS=$pending python3 -c "import sys; from tqgen import emit
-print(emit.build(emit.as_config(sys.argv[1]), sys.argv[2]))" "$config" "$TQGEN_CACHE_DIR/pending-${pending:-none}")
+            built=$(TQGEN_PENDING_KERNELS=$pending build_module "$config" "$TQGEN_CACHE_DIR/pending-${pending:-none}")
             module="$TQGEN_CACHE_DIR/${pending:+pending-}${pending:-shipped}-$(basename "$config" .yaml).py"
             cp "$built" "$module" && modules+=("$module")
         done
         echo "$config: ${modules[*]}" >> "$out/pending.log"
         python3 tools/ab_modules.py "$config" "${modules[@]}" --shapes 1x4096 2x4096 8x1024 \
             --launches 32:1:64 32:2:64 32:2:16 --rotate-query stage1 >> "$out/pending.log" 2>&1
-        rc=$?; python3 tools/ab_modules.py "$config" "${modules[@]}" --shapes 32x8192 8x8192 \
+        small=$?
+        python3 tools/ab_modules.py "$config" "${modules[@]}" --shapes 32x8192 8x8192 \
             --launches 32:2:4 32:2:16 >> "$out/pending.log" 2>&1
-        (( rc || $? )) && { status=1; echo "pending A/B $config failed"; }
+        large=$?; (( small || large )) && { status=1; echo "pending A/B $config failed"; }
         if [[ $config == *planes* ]]; then
             python3 tools/bench_decode_multi.py "$config:${modules[0]}" "$config:${modules[1]}" --shapes 32x8192 \
                 --q-lens 1 4 >> "$out/pending.log" 2>&1 || { status=1; echo "pending decode_multi $config failed"; }
