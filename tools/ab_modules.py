@@ -12,8 +12,12 @@ the same run; outputs must agree with the first module's to fp16 rounding (the l
 modules choose where the query is rotated from their own tuned files unless --rotate-query pins it (stage1: in
 stage 1; prepare: tq_prepare_query first): a module whose tuned files are stale takes the heuristic's choice,
 so pin it when comparing such a module at batch <= 8; modules without that choice (fp8 keys) ignore it. --merge-in-stage1 times each module twice, its splits merged
-by stage 2 and then by stage 1 itself (decode's merge_in_stage1; one module: the two ways side by side). Prints one
-table: what a change to the kernels buys, before any re-tune (one module: its launches side by side).
+by stage 2 and then by stage 1 itself (decode's merge_in_stage1; one module: the two ways side by side). Each row
+times the modules --rounds times (default 2), in order and then in reverse order, and takes each module's median
+over the rounds (timed once each, in order, modules that run the same instructions read 1.05-1.07x in the first row
+of each table: H100, 2026-12-07, docs/limits.md "Small batches"); the last column is the first module's spread over
+its rounds (slowest / fastest), which says how far to trust a ratio. Prints one table: what a change to the kernels
+buys, before any re-tune (one module: its launches side by side).
 """
 
 from __future__ import annotations
@@ -21,9 +25,16 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def timing_orders(modules: int, rounds: int) -> list[list[int]]:
+    """The order the modules are timed in, each round: as given, then reversed, alternating, so that no module is
+    always the first (or last) timed of a row."""
+    return [list(range(modules)) if r % 2 == 0 else list(range(modules))[::-1] for r in range(rounds)]
 
 
 def main() -> None:
@@ -37,7 +48,11 @@ def main() -> None:
                         help="pin where planes MSE modules rotate the query (default: each module's own choice)")
     parser.add_argument("--merge-in-stage1", action="store_true",
                         help="time each module with its splits merged by stage 2, then by stage 1 itself")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="timings of each module a row, alternating the order (default 2); each its median")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
 
     import torch
     import triton
@@ -55,8 +70,8 @@ def main() -> None:
           f"{args.q_heads} query / 8 KV heads, graph replay")
     ratios = [f"{name} / {modules[0][0]}" for name, _, _ in modules[1:]]
     print("| batch x context | launch | " + " | ".join([f"{name} us" for name, _, _ in modules] + ratios)
-          + " | % of ceiling (last) | max error against the first |")
-    print("|---|---|" + "---|" * (2 * len(modules) + 1))
+          + " | % of ceiling (last) | max error against the first | spread of the first |")
+    print("|---|---|" + "---|" * (2 * len(modules) + 2))
     first = modules[0][1]
     for shape in args.shapes:
         batch, context = (int(part) for part in shape.split("x"))
@@ -71,7 +86,7 @@ def main() -> None:
                                           "cuda")
         rotation = {} if args.rotate_query is None else dict(rotate_query=args.rotate_query == "stage1")
         for launch in launches:
-            times, outputs = [], []
+            calls, outputs = [], []
             for _, module, merge in modules:
                 out = torch.empty_like(problem["query"])
 
@@ -89,14 +104,20 @@ def main() -> None:
                 call()
                 torch.cuda.synchronize()
                 outputs.append(out.float().clone())
-                times.append(triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3)
+                calls.append(call)
+            rounds = [[] for _ in calls]  # each module's median of each round, us
+            for order in timing_orders(len(calls), args.rounds):
+                for index in order:
+                    rounds[index].append(triton.testing.do_bench_cudagraph(calls[index], return_mode="median") * 1e3)
+            times = [statistics.median(each) for each in rounds]
             nbytes = batch * 8 * context * first.SLOT_BYTES
             percent = 100 * nbytes / (times[-1] * 1e-6) / 1e9 / ceiling
             error = max(float((o - outputs[0]).abs().max()) for o in outputs)
             text = f"kv{launch['block_kv']} st{launch['num_stages']} sp{launch['num_splits']}"
             cells = [f"{t:.1f}" for t in times] + [f"{t / times[0]:.3f}" for t in times[1:]]
-            print(f"| {batch} x {context} | {text} | " + " | ".join(cells) + f" | {percent:.1f} | {error:.1e} |",
-                  flush=True)
+            spread = max(rounds[0]) / min(rounds[0])
+            print(f"| {batch} x {context} | {text} | " + " | ".join(cells)
+                  + f" | {percent:.1f} | {error:.1e} | {spread:.3f} |", flush=True)
         del problem
 
 
