@@ -176,7 +176,7 @@ if [[ $steps == *pending* ]]; then
             --launches 32:1:64 32:2:64 32:2:16 --rotate-query stage1 >> "$out/pending.log" 2>&1
         small=$?
         python3 tools/ab_modules.py "$config" "${modules[@]}" --shapes 32x8192 8x8192 \
-            --launches 32:2:4 32:2:16 >> "$out/pending.log" 2>&1
+            --launches 32:1:8 32:2:4 32:2:16 >> "$out/pending.log" 2>&1
         large=$?; (( small || large )) && { status=1; echo "pending A/B $config failed"; }
         if [[ $config == *planes* ]]; then
             python3 tools/bench_decode_multi.py "$config:${modules[0]}" "$config:${modules[1]}" --shapes 32x8192 \
