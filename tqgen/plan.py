@@ -61,8 +61,9 @@ MAX_NUM_WARPS = 32
 # them do.
 PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
     "mma_one_stage_blocks_ahead": "the one-warp Gluon stage 1's launches of one stage load each tile's block ids a "
-                                  "loop pass ahead, the first tile's before the query (Plan.stage1_one_stage_blocks_"
-                                  "ahead): every Gluon decode format's hash; waits for its first GPU run",
+                                  "loop pass ahead, the first tile's before the query "
+                                  "(Plan.stage1_one_stage_blocks_ahead): every Gluon decode format's hash; waits for "
+                                  "its first GPU run",
 }
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
