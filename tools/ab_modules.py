@@ -11,13 +11,14 @@ tuned or heuristic launch), as a whole call in CUDA-graph replay (median), with 
 the same run; outputs must agree with the first module's to fp16 rounding (the last column). Planes MSE
 modules choose where the query is rotated from their own tuned files unless --rotate-query pins it (stage1: in
 stage 1; prepare: tq_prepare_query first): a module whose tuned files are stale takes the heuristic's choice,
-so pin it when comparing such a module at batch <= 8; modules without that choice (fp8 keys) ignore it. --merge-in-stage1 times each module twice, its splits merged
-by stage 2 and then by stage 1 itself (decode's merge_in_stage1; one module: the two ways side by side). Each row
-times the modules --rounds times (default 2), in order and then in reverse order, and takes each module's median
-over the rounds (timed once each, in order, modules that run the same instructions read 1.05-1.07x in the first row
-of each table: H100, 2026-12-07, docs/limits.md "Small batches"); the last column is the first module's spread over
-its rounds (slowest / fastest), which says how far to trust a ratio. Prints one table: what a change to the kernels
-buys, before any re-tune (one module: its launches side by side).
+so pin it when comparing such a module at batch <= 8; modules without that choice (fp8 keys) ignore it.
+--merge-in-stage1 times each module twice, its splits merged by stage 2 and then by stage 1 itself (decode's
+merge_in_stage1; one module: the two ways side by side). Each row times the modules --rounds times (default 2), in
+order and then in reverse order, and takes each module's median over the rounds (timed once each, in order, modules
+that run the same instructions read 1.05-1.07x in the first row of each table: H100, 2026-12-07, docs/limits.md
+"Small batches"); the last column is the first module's spread over its rounds (slowest / fastest), which says how
+far to trust a ratio. Prints one table: what a change to the kernels buys, before any re-tune (one module: its
+launches side by side).
 """
 
 from __future__ import annotations

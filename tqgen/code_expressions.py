@@ -109,7 +109,8 @@ class CodeExpressions:
         named target + the bits joined so far)."""
         if len(units) <= 2:
             return [(target, units[0] if len(units) == 1 else f"gl.join({units[0]}, {units[1]})")]
-        return (CodeExpressions.lane_join_steps(f"{target}0", units[0::2]) + CodeExpressions.lane_join_steps(f"{target}1", units[1::2])
+        return (CodeExpressions.lane_join_steps(f"{target}0", units[0::2])
+                + CodeExpressions.lane_join_steps(f"{target}1", units[1::2])
                 + [(target, f"gl.join({target}0, {target}1)")])
 
     @staticmethod

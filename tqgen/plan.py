@@ -3,10 +3,10 @@
 `Plan.from_config` is the one object the templates read (render.py hands them
 `plan.template_names()`): the layout's facts and named constants, which kernels a
 module carries and which paths they take on its arch, and the few expressions that
-are generated from layout facts (field addresses here; code selectors in
-code_expressions.py, which Plan inherits). Nothing in the
-templates computes an offset or a bit position; nothing here renders text beyond
-single expressions.
+are generated from layout facts (field addresses here; code selectors and the
+store's search in code_expressions.py, which Plan inherits). Nothing in the templates
+computes an offset or a bit position; nothing here renders text beyond single
+expressions.
 
 Decisions, each with its reason:
 - `fp8_hardware`: sm89 and later convert e4m3 to fp16 in hardware; older archs move
