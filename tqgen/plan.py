@@ -59,12 +59,7 @@ MAX_NUM_WARPS = 32
 # "Kernels waiting for a re-tune"), so that they are kept and tested meanwhile. Every module renders without them
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
-PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
-    "mma_one_stage_blocks_ahead": "the one-warp Gluon stage 1's launches of one stage load each tile's block ids a "
-                                  "loop pass ahead, the first tile's before the query "
-                                  "(Plan.stage1_one_stage_blocks_ahead): every Gluon decode format's hash; waits for "
-                                  "its first GPU run",
-}
+PENDING_KERNELS: dict[str, str] = {}  # name -> what it changes (docs/tuning.md); none pending now
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
 # files spell them) render it without TQGEN_PENDING_KERNELS. Landing its last format removes its entries here and
@@ -421,14 +416,6 @@ class Plan(CodeExpressions):
         0.98-1.00x at 32 x 16384, the ring's 1.000x (H100, 2026-12-07, tools/ab_modules.py; docs/limits.md "Small
         batches"): its re-tune took the tuner's best at 1 x 4096 from 9.4 to 6.9 us."""
         return not self.stage1_vector_partials
-
-    @property
-    def stage1_one_stage_blocks_ahead(self) -> bool:
-        """Whether the one-warp Gluon stage 1's launches of one stage (decode's and decode_multi's) load the block ids
-        of each tile a loop pass before its loads, and the split's first tile's before the query's load and rotation,
-        instead of at the top of the tile's pass, where each tile's loads waited on that load: at batch 1-8 a lone
-        warp's chain of dependent loads is the program's time (docs/limits.md, "Small batches")."""
-        return self.renders("mma_one_stage_blocks_ahead")
 
     @property
     def stage1_rotates_query(self) -> bool:
