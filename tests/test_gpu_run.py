@@ -202,7 +202,8 @@ def test_the_tune_step_fails_when_the_stale_list_does_and_still_retunes_what_it_
 def test_the_pending_step_times_each_config_shipped_against_pending(tmp_path):
     """tools/run_gpu.sh's pending step under a stand-in python3: each config is built twice, without and with
     TQGEN_PENDING_KERNELS=all (whatever the caller's environment says), copied to names that say which is which, and
-    both modules reach tools/ab_modules.py (small and large batches) and, for planes configs, bench_decode_multi."""
+    both modules reach tools/ab_modules.py (small and large batches) and, for planes configs, bench_decode_multi;
+    then the store of TQGEN_AB_STORE_CONFIGS is timed without, with and again without the pending kernels."""
     stand_in = tmp_path / "bin" / "python3"
     stand_in.parent.mkdir(parents=True)
     calls = tmp_path / "calls"
@@ -213,12 +214,14 @@ def test_the_pending_step_times_each_config_shipped_against_pending(tmp_path):
         'if [[ $1 == -c ]]; then echo "torch, triton, a GPU"; exit 0; fi\n'
         f'if [[ $1 == tools/ab_modules.py || $1 == tools/bench_decode_multi.py ]]; then echo "$*" >> "{calls}"; '
         'echo "| a table row |"; exit 0; fi\n'
+        f'if [[ $1 == -m && $2 == tqgen.cli ]]; then echo "pending=$TQGEN_PENDING_KERNELS $*" >> "{calls}"; exit 0; fi\n'
         "exit 3\n")
     stand_in.chmod(0o755)
     modules = tmp_path / "modules"
     env = dict(os.environ, PATH=f"{stand_in.parent}{os.pathsep}{os.environ['PATH']}", TQGEN_GPU_STEPS="pending",
                TQGEN_CACHE_DIR=str(modules), TQGEN_PENDING_KERNELS="all",
-               TQGEN_AB_CONFIGS="configs/k3v4-d128-planes.yaml configs/k3v4-d128.yaml")
+               TQGEN_AB_CONFIGS="configs/k3v4-d128-planes.yaml configs/k3v4-d128.yaml",
+               TQGEN_AB_STORE_CONFIGS="configs/k4v4-d128.yaml configs/k4v4-d128-planes.yaml")
     script = Path(__file__).resolve().parent.parent / "tools" / "run_gpu.sh"
     result = subprocess.run(["bash", str(script), str(tmp_path / "out")], env=env, capture_output=True, text=True,
                             timeout=120, cwd=script.parent.parent)
@@ -235,6 +238,8 @@ def test_the_pending_step_times_each_config_shipped_against_pending(tmp_path):
         f"tools/bench_decode_multi.py configs/k3v4-d128-planes.yaml:{modules}/shipped-k3v4-d128-planes.py "
         f"configs/k3v4-d128-planes.yaml:{modules}/pending-all-k3v4-d128-planes.py",
         f"tools/ab_modules.py configs/k3v4-d128.yaml {slots}",
-        f"tools/ab_modules.py configs/k3v4-d128.yaml {slots}"]
+        f"tools/ab_modules.py configs/k3v4-d128.yaml {slots}",
+        *(f"pending={pending} -m tqgen.cli bench configs/k4v4-d128.yaml configs/k4v4-d128-planes.yaml"
+          for pending in ("", "all", ""))]
     assert "--rotate-query stage1" in lines[0] and "--shapes 32x8192 8x8192" in lines[1]
     assert "| a table row |" in result.stdout

@@ -1,6 +1,7 @@
 """The store kernel: byte-exact against the reference (MSE key codes of coordinates on a decision
 boundary excepted: tqgen.testing.store_differences), and nothing written outside its slots."""
 
+import math
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ import triton.language as tl
 
 from conftest import (HAS_CUDA, KERNEL_FORMATS, PRESETS, KernelRecorder, codebook_kwargs, make_config,
                       offline_compile_reports, planes_config, planes_config_of, stored_cache)
+import tqgen
 from tqgen import codebook, config as config_mod, reference
 from tqgen.layout import Layout
 from tqgen.plan import Plan
@@ -844,6 +846,65 @@ def test_the_gluon_slots_store_compiles_for_sm90():
         else:  # a lane's head_dim / 8 codes of a field in 16-bit words, and the three fp16 fields
             assert report["stores"] == report["halves"] == (key_bits + value_bits) * head_dim // 128 + 3, report
         assert "stack" not in report["usage"] or "0 bytes cumulative stack" in report["usage"], report
+
+
+def test_the_stores_cell_search_renders_where_it_takes_fewer_instructions(monkeypatch):
+    """The pending store_cell_search renders only when named, and then for the Gluon store's 4-bit keys and its
+    norm-corrected 3-bit keys (planes), not for 3-bit slots (more SASS instructions there: Plan.store_cell_search)
+    nor fp8 keys (no search)."""
+    cases = {("k4v4", "slots"): True, ("k4v4", "planes"): True, ("k3v4", "planes"): True, ("k3v3", "planes"): True,
+             ("k3v4", "slots"): False, ("k3v3", "slots"): False, ("k8v4", "slots"): False}
+    for pending in (frozenset(), frozenset({"store_cell_search"})):
+        for (preset, layout), takes in cases.items():
+            overrides = dict(cache_layout="planes", norm_correction=True) if layout == "planes" else {}
+            plan = Plan.from_config(make_config(preset, **overrides), pending=pending)
+            assert (plan.store_cell_search is not None) == (takes and bool(pending)), (preset, layout, pending)
+
+
+def _kernel_cell(magnitude, shift, cells):
+    """tq_store_gluon's cell of |y| (Plan.store_cell_search): (|y| * 2**shift).to(int32), which converts as PTX's
+    cvt.rzi.s32.f32 does (NaN to 0, large values saturated), clamped to cells - 1."""
+    scaled = torch.nan_to_num(magnitude * 2.0**shift, nan=0.0).clamp(max=2.0**30)
+    return scaled.trunc().to(torch.int64).clamp(max=cells - 1)
+
+
+@pytest.mark.parametrize("preset,head_dim,overrides", [
+    ("k4v4", 128, {}), ("k4v4", 64, {}), ("k4v4", 256, {}),
+    ("k4v4", 128, dict(cache_layout="planes", norm_correction=True)),
+    ("k3v4", 128, dict(cache_layout="planes", norm_correction=True)),
+    ("k3v3", 128, dict(cache_layout="planes", norm_correction=True))])
+def test_the_stores_cell_table_gives_the_binary_searchs_codes(tmp_path, monkeypatch, preset, head_dim, overrides):
+    """The pending store_cell_search: _cell_search_table of the default codebook, read as tq_store_gluon reads it (a
+    cell of |y|, then the entry's count plus |y| >= its boundary; the square the high one where that holds), gives
+    the binary search's half code, the count of the upper half's boundaries at or below |y|, and that code's squared
+    centroid bit for bit: at every boundary, one fp32 step either side, 0, 1, NaN and 20000 random coordinates."""
+    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "store_cell_search")
+    config = make_config(preset, head_dim, **overrides)
+    assert Plan.from_config(config).store_cell_search is not None
+    module = tqgen.load(config, tmp_path)
+    bits = config.key_bits
+    assert (module.STORE_SEARCH_SHIFT, module.STORE_SEARCH_CELLS) == codebook.search_cells(bits, head_dim)
+    centroids = module.default_centroids("cpu")
+    boundaries = codebook.decision_boundaries(centroids)
+    table = module._cell_search_table(boundaries, centroids)
+    assert table.shape == (module.STORE_SEARCH_CELLS, 2 if module.KEY_NORM_CORRECTED else 1)
+    half = 2 ** (bits - 1)
+    upper = boundaries[half:]
+    generator = torch.Generator().manual_seed(head_dim + bits)
+    magnitude = torch.cat([upper, torch.nextafter(upper, torch.tensor(math.inf)),
+                           torch.nextafter(upper, torch.tensor(-math.inf)), torch.tensor([0.0, 1.0, math.nan]),
+                           torch.rand(10000, generator=generator) * upper[-1] * 1.2,
+                           torch.randn(10000, generator=generator).abs() / math.sqrt(head_dim)])
+    entry = table[_kernel_cell(magnitude, module.STORE_SEARCH_SHIFT, module.STORE_SEARCH_CELLS)]
+    boundary = (entry[:, 0] & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    above = magnitude >= boundary
+    half_code = (entry[:, 0] >> 32) + above
+    expected = (magnitude[:, None] >= upper[None, :]).sum(1)  # the binary search's (a NaN's: 0)
+    assert torch.equal(half_code, expected)
+    if module.KEY_NORM_CORRECTED:
+        words = torch.where(above, entry[:, 1] >> 32, entry[:, 1] & 0xFFFFFFFF).to(torch.int32)
+        squares = centroids[half:] * centroids[half:]
+        assert torch.equal(words, squares[expected].view(torch.int32))
 
 
 @pytest.mark.parametrize("run_bytes", [2, 4, 6, 8, 12, 16])

@@ -186,7 +186,7 @@ def compile_store_gluon(module, block_t: int, symmetric: bool = True):
 
     kernel = module.tq_store_gluon
     pointer_types = {"key_ptr": "*fp16", "value_ptr": "*fp16", "boundaries_ptr": "*fp32", "centroids_ptr": "*fp32",
-                     "slot_mapping_ptr": "*i64", "cache_ptr": "*u8"}
+                     "slot_mapping_ptr": "*i64", "cache_ptr": "*u8", "search_table_ptr": "*i64"}
     constants = dict(BLOCK_T=block_t, SYMMETRIC_CODEBOOK=symmetric)
     # A slots cache's head stride is the slot size (2 mod 4): unaligned, as a launch specializes it.
     aligned = ("stride_key", "stride_value", "stride_cache_block", "stride_cache_pos") \

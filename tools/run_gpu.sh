@@ -20,7 +20,9 @@
 # decode calls, tools/host_overhead.py, through triton's launch path and as shipped, into host.log; "merge" times
 # stage 1 merging its own splits beside stage 2 at batch 1-8 (tools/ab_modules.py --merge-in-stage1, into
 # merge.log; TQGEN_MERGE_CONFIGS, default k3v4 and k8v4 planes and k3v4 slots); "pending" times the pending kernels
-# (plan.PENDING_KERNELS) beside the shipped ones, decode and decode_multi, into pending.log (TQGEN_AB_CONFIGS).
+# (plan.PENDING_KERNELS) beside the shipped ones, decode and decode_multi, into pending.log (TQGEN_AB_CONFIGS), and
+# the store of TQGEN_AB_STORE_CONFIGS (default none) without, with and again without them (TQGEN_AB_CONFIGS set
+# empty: the store's alone).
 # TQGEN_TEST_SHARD=i/n runs the i-th of every n GPU tests (tests/conftest.py). TQGEN_PENDING_KERNELS=all runs every
 # step on the kernels that wait for a re-tune (plan.PENDING_KERNELS): its tests, and its tune re-tunes the files they
 # make stale (docs/tuning.md).
@@ -163,7 +165,7 @@ if [[ $steps == *pending* ]]; then
     # launches (the pending module's tuned files are stale, so it would take the heuristic's) with
     # tools/ab_modules.py, at batch 1-8 (the query rotated in stage 1) and at 8-32 x 8192, and decode_multi at q_len
     # 1 and 4 with tools/bench_decode_multi.py (planes configs). Into pending.log.
-    ab_configs=${TQGEN_AB_CONFIGS:-configs/k3v4-d128-planes.yaml configs/k4v4-d128-planes.yaml configs/k3v4-d128.yaml}
+    ab_configs=${TQGEN_AB_CONFIGS-configs/k3v4-d128-planes.yaml configs/k4v4-d128-planes.yaml configs/k3v4-d128.yaml}
     for config in $ab_configs; do
         modules=()
         for pending in "" all; do  # each copied to a name that says which it is (ab_modules labels by file name)
@@ -183,7 +185,17 @@ if [[ $steps == *pending* ]]; then
                 --q-lens 1 4 >> "$out/pending.log" 2>&1 || { status=1; echo "pending decode_multi $config failed"; }
         fi
     done
-    grep -E '^\||^configs' "$out/pending.log"
+    # A pending store kernel (no tuned file; docs/kernels.md): the store of TQGEN_AB_STORE_CONFIGS (default none) at
+    # 4096 and 65536 tokens without, with and again without every pending kernel (one tqgen bench each: the variable
+    # is read when the modules render).
+    if [[ -n ${TQGEN_AB_STORE_CONFIGS:-} ]]; then
+        for pending in "" all ""; do
+            echo "store, TQGEN_PENDING_KERNELS=$pending" >> "$out/pending.log"
+            TQGEN_PENDING_KERNELS=$pending python3 -m tqgen.cli bench $TQGEN_AB_STORE_CONFIGS --ops store \
+                --store-tokens 4096 65536 >> "$out/pending.log" 2>&1 || { status=1; echo "pending store A/B failed"; }
+        done
+    fi
+    grep -E '^\||^configs|^store' "$out/pending.log"
 fi
 if [[ $steps == *bench* ]]; then
     bench_args=${TQGEN_BENCH_ARGS:-}

@@ -70,6 +70,22 @@ def centroids(bits: int, head_dim: int) -> list[float]:
     return [level * scale for level in lloyd_max_levels(bits)]
 
 
+def search_cells(bits: int, head_dim: int) -> tuple[int, int]:
+    """The cells of the store's table search of the default codebook (Plan.store_cell_search): (shift, count) such
+    that floor(|y| * 2**shift), clamped to count - 1, puts at most one of the upper half's decision boundaries in a
+    cell and none in the last. Checked on the fp32 boundaries a module computes (default_centroids' fp32 levels,
+    decision_boundaries' fp32 midpoints); scaling by a power of two is exact, so the kernel's cell of a boundary is
+    the one computed here."""
+    centroid_values = torch.tensor(centroids(bits, head_dim), dtype=torch.float32)
+    upper = decision_boundaries(centroid_values)[2 ** (bits - 1):].double()  # above the middle one (0)
+    gap = (upper[1:] - upper[:-1]).min().item() if upper.numel() > 1 else upper[0].item()
+    shift = math.floor(-math.log2(gap)) + 1  # cells narrower than the closest two boundaries
+    cells = torch.floor(upper * 2.0**shift)
+    if not bool((cells[1:] > cells[:-1]).all()):
+        raise ValueError(f"search_cells: two boundaries of the {bits}-bit codebook share a cell at 2**-{shift}")
+    return shift, int(cells[-1].item()) + 2
+
+
 def hadamard_matrix(dim, device=None):
     """Normalized Sylvester Hadamard matrix H/sqrt(dim), float32 [dim, dim]."""
     if dim < 1 or dim & (dim - 1):

@@ -59,7 +59,10 @@ MAX_NUM_WARPS = 32
 # "Kernels waiting for a re-tune"), so that they are kept and tested meanwhile. Every module renders without them
 # unless TQGEN_PENDING_KERNELS names them ("all", or names joined by commas): the GPU tests and the run that lands
 # them do.
-PENDING_KERNELS: dict[str, str] = {}  # name -> what it changes (docs/tuning.md); none pending now
+PENDING_KERNELS: dict[str, str] = {  # name -> what it changes (docs/tuning.md)
+    "store_cell_search": "tq_store_gluon searches the default codebook by a table of cells (Plan.store_cell_search): "
+                         "the store's kernel only, no tuned file; waits for its first GPU run",
+}
 # A pending kernel lands format by format, each in the commit that holds its re-tuned files (a re-tune of every file
 # a kernel touches can be more than one session's device time): the formats here (Plan.stage1_format, as the config
 # files spell them) render it without TQGEN_PENDING_KERNELS. Landing its last format removes its entries here and
@@ -333,6 +336,23 @@ class Plan(CodeExpressions):
         # Slots: a lane's D / 8 codes of each field a whole number of 16-bit words (so not 3 bits at head_dim 64).
         return (self.halfword_loads and layout.head_dim in (64, 128, 256)
                 and layout.key_bits * layout.head_dim % 128 == 0 and layout.value_bits * layout.head_dim % 128 == 0)
+
+    @property
+    def store_cell_search(self) -> tuple[int, int] | None:
+        """(shift, cells) where tq_store_gluon finds the default codebook's codes (SYMMETRIC_CODEBOOK) by a table of
+        cells instead of the binary search's selects and compares, else None. |y| * 2**shift (exact), clamped to
+        cells - 1, is a cell with at most one of the upper half's boundaries (codebook.search_cells); its entry holds
+        that next boundary and the half code below it (and, where the norm is corrected, the squared centroids on
+        either side), one or two 8-byte loads a code from a table the launcher builds beside the default boundaries.
+        Where it takes fewer instructions (ptxas of triton 3.6, sm90a, 4 tokens a program, SASS): 4-bit keys (k4v4
+        slots 944 -> 912, head_dim 64 608 -> 592, planes 1072 -> 992 and 80 -> 72 registers) and norm-corrected 3-bit
+        keys (k3v4 planes 1088 -> 1064, k3v3 planes 1152 -> 1120); 3-bit slots took more (k3v4 872 -> 920, k3v3 848
+        -> 912, k3v4-d256 1472 -> 1576), their binary search being 2 compares and a select a code."""
+        if not (self.store_gluon and self.renders("store_cell_search")):
+            return None
+        if self.layout.key_bits != 4 and not self.layout.key_norm_corrected:
+            return None
+        return codebook.search_cells(self.layout.key_bits, self.D)
 
     @property
     def store_gluon_words(self) -> bool:
