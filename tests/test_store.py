@@ -861,6 +861,27 @@ def test_the_stores_cell_search_renders_where_it_takes_fewer_instructions(monkey
             assert (plan.store_cell_search is not None) == (takes and bool(pending)), (preset, layout, pending)
 
 
+def test_the_cell_table_made_in_a_cuda_graph_capture_is_not_kept(tmp_path, monkeypatch):
+    """The pending store_cell_search's table is kept per device as the default boundaries are, and, as they are,
+    never one made inside a CUDA-graph capture (made from what the capture's kernels have not yet written): a capture
+    takes the kept table, or makes its own without keeping it."""
+    monkeypatch.setenv("TQGEN_PENDING_KERNELS", "store_cell_search")
+    module = tqgen.load(make_config("k4v4"), tmp_path)
+    monkeypatch.setattr(module, "_per_device", {})
+    centroids = module.default_centroids("cpu")
+    boundaries = codebook.decision_boundaries(centroids)
+    capturing = [True]
+    monkeypatch.setattr(module, "_capturing", lambda tensor: capturing[0])
+    made_in_capture = module._store_search_table(boundaries, centroids)
+    assert module._kept("store_search_table", centroids.device) is None
+    capturing[0] = False
+    kept = module._store_search_table(boundaries, centroids)
+    assert kept is not made_in_capture and torch.equal(kept, made_in_capture)
+    assert module._store_search_table(boundaries, centroids) is kept
+    capturing[0] = True
+    assert module._store_search_table(boundaries, centroids) is kept
+
+
 def _kernel_cell(magnitude, shift, cells):
     """tq_store_gluon's cell of |y| (Plan.store_cell_search): (|y| * 2**shift).to(int32), which converts as PTX's
     cvt.rzi.s32.f32 does (NaN to 0, large values saturated), clamped to cells - 1."""
