@@ -882,13 +882,6 @@ def test_the_cell_table_made_in_a_cuda_graph_capture_is_not_kept(tmp_path, monke
     assert module._store_search_table(boundaries, centroids) is kept
 
 
-def _kernel_cell(magnitude, shift, cells):
-    """tq_store_gluon's cell of |y| (Plan.store_cell_search): (|y| * 2**shift).to(int32), which converts as PTX's
-    cvt.rzi.s32.f32 does (NaN to 0, large values saturated), clamped to cells - 1."""
-    scaled = torch.nan_to_num(magnitude * 2.0**shift, nan=0.0).clamp(max=2.0**30)
-    return scaled.trunc().to(torch.int64).clamp(max=cells - 1)
-
-
 @pytest.mark.parametrize("preset,head_dim,overrides", [
     ("k4v4", 128, {}), ("k4v4", 64, {}), ("k4v4", 256, {}),
     ("k4v4", 128, dict(cache_layout="planes", norm_correction=True)),
@@ -898,13 +891,15 @@ def test_the_stores_cell_table_gives_the_binary_searchs_codes(tmp_path, monkeypa
     """The pending store_cell_search: _cell_search_table of the default codebook, read as tq_store_gluon reads it (a
     cell of |y|, then the entry's count plus |y| >= its boundary; the square the high one where that holds), gives
     the binary search's half code, the count of the upper half's boundaries at or below |y|, and that code's squared
-    centroid bit for bit: at every boundary, one fp32 step either side, 0, 1, NaN and 20000 random coordinates."""
+    centroid bit for bit: at every boundary and cell edge, one fp32 step either side, 0, 1, NaN and 20000 random
+    coordinates."""
     monkeypatch.setenv("TQGEN_PENDING_KERNELS", "store_cell_search")
     config = make_config(preset, head_dim, **overrides)
     assert Plan.from_config(config).store_cell_search is not None
     module = tqgen.load(config, tmp_path)
     bits = config.key_bits
-    assert (module.STORE_SEARCH_SHIFT, module.STORE_SEARCH_CELLS) == codebook.search_cells(bits, head_dim)
+    shift = codebook.search_cells(bits, head_dim)
+    assert (module.STORE_SEARCH_SHIFT, module.STORE_SEARCH_CELLS) == (shift, codebook.SEARCH_CELLS)
     centroids = module.default_centroids("cpu")
     boundaries = codebook.decision_boundaries(centroids)
     table = module._cell_search_table(boundaries, centroids)
@@ -912,11 +907,14 @@ def test_the_stores_cell_table_gives_the_binary_searchs_codes(tmp_path, monkeypa
     half = 2 ** (bits - 1)
     upper = boundaries[half:]
     generator = torch.Generator().manual_seed(head_dim + bits)
+    edges = (torch.arange(2**shift + 1) + 0.5) / 2**shift  # where the rounding to a cell ties
     magnitude = torch.cat([upper, torch.nextafter(upper, torch.tensor(math.inf)),
                            torch.nextafter(upper, torch.tensor(-math.inf)), torch.tensor([0.0, 1.0, math.nan]),
+                           edges, torch.nextafter(edges, torch.tensor(math.inf)),
+                           torch.nextafter(edges, torch.tensor(-math.inf)),
                            torch.rand(10000, generator=generator) * upper[-1] * 1.2,
                            torch.randn(10000, generator=generator).abs() / math.sqrt(head_dim)])
-    entry = table[_kernel_cell(magnitude, module.STORE_SEARCH_SHIFT, module.STORE_SEARCH_CELLS)]
+    entry = table[codebook.search_cell(magnitude, shift)]
     boundary = (entry[:, 0] & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
     above = magnitude >= boundary
     half_code = (entry[:, 0] >> 32) + above

@@ -70,20 +70,33 @@ def centroids(bits: int, head_dim: int) -> list[float]:
     return [level * scale for level in lloyd_max_levels(bits)]
 
 
-def search_cells(bits: int, head_dim: int) -> tuple[int, int]:
-    """The cells of the store's table search of the default codebook (Plan.store_cell_search): (shift, count) such
-    that floor(|y| * 2**shift), clamped to count - 1, puts at most one of the upper half's decision boundaries in a
-    cell and none in the last. Checked on the fp32 boundaries a module computes (default_centroids' fp32 levels,
-    decision_boundaries' fp32 midpoints); scaling by a power of two is exact, so the kernel's cell of a boundary is
-    the one computed here."""
+# The store's table search (Plan.store_cell_search): |y| * 2**shift + SEARCH_ROUNDING, in fp32, holds the product
+# rounded to an integer in its low mantissa bits (exactly: the product is exact, the sum rounds once, fused or not),
+# and its low 7 bits are y's cell, one of SEARCH_CELLS (a NaN's canonical bits, 0x7fffffff, give the last).
+SEARCH_ROUNDING = 1.5 * 2.0**23
+SEARCH_CELLS = 128
+
+
+def search_cell(magnitude: torch.Tensor, shift: int) -> torch.Tensor:
+    """The cell of each fp32 |y| as tq_store_gluon computes it (a NaN's taken as the GPU's canonical NaN)."""
+    bits = (magnitude.to(torch.float32) * 2.0**shift + SEARCH_ROUNDING).view(torch.int32) & (SEARCH_CELLS - 1)
+    return torch.where(torch.isnan(magnitude), SEARCH_CELLS - 1, bits.to(torch.int64))
+
+
+def search_cells(bits: int, head_dim: int) -> int:
+    """The shift of the store's table search of the default codebook: the cells (search_cell) narrower than the
+    closest two of the upper half's decision boundaries, so at most one lies in a cell, checked on the fp32
+    boundaries a module computes (default_centroids' fp32 levels, decision_boundaries' fp32 midpoints); every
+    |y| <= 1 (a coordinate of a unit vector) falls below the last cell, kept for NaN."""
     centroid_values = torch.tensor(centroids(bits, head_dim), dtype=torch.float32)
-    upper = decision_boundaries(centroid_values)[2 ** (bits - 1):].double()  # above the middle one (0)
+    upper = decision_boundaries(centroid_values)[2 ** (bits - 1):]  # above the middle one (0)
     gap = (upper[1:] - upper[:-1]).min().item() if upper.numel() > 1 else upper[0].item()
-    shift = math.floor(-math.log2(gap)) + 1  # cells narrower than the closest two boundaries
-    cells = torch.floor(upper * 2.0**shift)
-    if not bool((cells[1:] > cells[:-1]).all()):
-        raise ValueError(f"search_cells: two boundaries of the {bits}-bit codebook share a cell at 2**-{shift}")
-    return shift, int(cells[-1].item()) + 2
+    shift = math.floor(-math.log2(gap)) + 1
+    cells = search_cell(upper, shift)
+    if not bool((cells[1:] > cells[:-1]).all()) or 2**shift >= SEARCH_CELLS - 1:
+        raise ValueError(f"search_cells: the {bits}-bit codebook at head_dim {head_dim} needs cells of 2**-{shift}, "
+                         f"which the table of {SEARCH_CELLS} cannot hold one boundary a cell for")
+    return shift
 
 
 def hadamard_matrix(dim, device=None):

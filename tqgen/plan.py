@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from typing import NamedTuple
 
 from . import codebook
 from .code_expressions import CodeExpressions
@@ -135,6 +136,14 @@ class RingField:
     def vector(self) -> int:
         """Units per cp.async (at most 16 bytes, at most one token's units, never past the alignment)."""
         return max(1, min(self.units or 16 // self.unit_bytes, self.alignment // self.unit_bytes))
+
+
+class StoreCellSearch(NamedTuple):
+    """The store's table search of the default codebook (Plan.store_cell_search): y's cell is the low bits of
+    |y| * 2**shift + rounding, one of `cells` (codebook.search_cell)."""
+    shift: int
+    cells: int
+    rounding: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,21 +347,24 @@ class Plan(CodeExpressions):
                 and layout.key_bits * layout.head_dim % 128 == 0 and layout.value_bits * layout.head_dim % 128 == 0)
 
     @property
-    def store_cell_search(self) -> tuple[int, int] | None:
-        """(shift, cells) where tq_store_gluon finds the default codebook's codes (SYMMETRIC_CODEBOOK) by a table of
-        cells instead of the binary search's selects and compares, else None. |y| * 2**shift (exact), clamped to
-        cells - 1, is a cell with at most one of the upper half's boundaries (codebook.search_cells); its entry holds
-        that next boundary and the half code below it (and, where the norm is corrected, the squared centroids on
-        either side), one or two 8-byte loads a code from a table the launcher builds beside the default boundaries.
-        Where it takes fewer instructions (ptxas of triton 3.6, sm90a, 4 tokens a program, SASS): 4-bit keys (k4v4
-        slots 944 -> 912, head_dim 64 608 -> 592, planes 1072 -> 992 and 80 -> 72 registers) and norm-corrected 3-bit
-        keys (k3v4 planes 1088 -> 1064, k3v3 planes 1152 -> 1120); 3-bit slots took more (k3v4 872 -> 920, k3v3 848
-        -> 912, k3v4-d256 1472 -> 1576), their binary search being 2 compares and a select a code."""
+    def store_cell_search(self) -> StoreCellSearch | None:
+        """The cells (codebook.search_cell's shift, count and rounding constant) where tq_store_gluon finds the default
+        codebook's codes (SYMMETRIC_CODEBOOK) by a table of cells instead of the binary search's selects and compares,
+        else None. |y| * 2**shift rounded to an integer (one fused multiply-add, exact to the rounding:
+        codebook.search_cell) is a cell with at most one of the upper half's boundaries (codebook.search_cells); its
+        entry holds that next boundary and the half code below it (and, where the norm is corrected, the squared
+        centroids on either side), one or two 8-byte loads a code from a table the launcher builds beside the default
+        boundaries. Where it takes fewer instructions (ptxas of triton 3.6, sm90a, 4 tokens a program, SASS; with the
+        cell by a conversion and a clamp instead, 8-16 more): 4-bit keys (k4v4 slots 944 -> 896, head_dim 64 608 ->
+        584, planes 1072 -> 976 and 80 -> 72 registers) and norm-corrected 3-bit keys (k3v4 planes 1088 -> 1048, k3v3
+        planes 1152 -> 1104); 3-bit slots took more with the conversion (k3v4 872 -> 920, k3v3 848 -> 912, k3v4-d256
+        1472 -> 1576), their binary search being 2 compares and a select a code."""
         if not (self.store_gluon and self.renders("store_cell_search")):
             return None
         if self.layout.key_bits != 4 and not self.layout.key_norm_corrected:
             return None
-        return codebook.search_cells(self.layout.key_bits, self.D)
+        return StoreCellSearch(codebook.search_cells(self.layout.key_bits, self.D), codebook.SEARCH_CELLS,
+                               codebook.SEARCH_ROUNDING)
 
     @property
     def store_gluon_words(self) -> bool:
